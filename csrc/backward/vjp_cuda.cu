@@ -1,0 +1,197 @@
+// CUDA closed-form VJPs (DESIGN §1.3): one reduction pass writing per-block partial
+// sums, then one elementwise pass whose blocks first fold their row's partials in a
+// fixed order (deterministic, no atomics, no host sync).
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <cub/block/block_reduce.cuh>
+
+#include "../common/cuda_launch.cuh"
+#include "../common/vjp_math.h"
+#include "../ops.h"
+
+namespace fastlapsum {
+namespace {
+
+constexpr int64_t kMaxChunks = 512;  // partial sums per row
+
+struct SumOp {
+  __device__ VjpSums operator()(VjpSums a, const VjpSums& b) const {
+    a.merge(b);
+    return a;
+  }
+};
+
+// upstream-weighted term G_i: zero for the threshold VJP (grad == nullptr)
+template <typename scalar_t>
+__device__ double element_G(const scalar_t* grad, int64_t i, double u, double tw, bool log_mode) {
+  return grad == nullptr ? 0.0 : upstream_weight(static_cast<double>(grad[i]), u, tw, log_mode);
+}
+
+template <typename scalar_t>
+__global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ x,
+                                  const double* __restrict__ b, const double* __restrict__ t,
+                                  VjpSums* __restrict__ partial, int64_t rows, int64_t n,
+                                  double sign, bool log_mode) {
+  using Reduce = cub::BlockReduce<VjpSums, kThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const double br = sign * b[r], tr = t[r];
+    VjpSums acc;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+         i += int64_t(gridDim.x) * blockDim.x) {
+      const double s = sign * static_cast<double>(x[r * n + i]);
+      const double tw = lapsum_weight_scaled(s, br, tr);
+      if (tw != 0.0) acc.add(tw, element_G(grad + (grad ? r * n : 0), i, (s - br) / tr, tw, log_mode), s - br);
+    }
+    const VjpSums total = Reduce(tmp).Reduce(acc, SumOp());
+    if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x] = total;
+    __syncthreads();
+  }
+}
+
+// Sum a row's partials in a fixed order with one warp (same answer every run).
+__device__ VjpSums fold_partials(const VjpSums* partial, int chunks) {
+  __shared__ VjpSums row_sum;
+  if (threadIdx.x < 32) {
+    VjpSums acc;
+    for (int c = threadIdx.x; c < chunks; c += 32) acc.merge(partial[c]);
+    for (int off = 16; off > 0; off >>= 1) {
+      VjpSums o;
+      o.tw = __shfl_down_sync(0xffffffffu, acc.tw, off);
+      o.G = __shfl_down_sync(0xffffffffu, acc.G, off);
+      o.twd = __shfl_down_sync(0xffffffffu, acc.twd, off);
+      o.Gd = __shfl_down_sync(0xffffffffu, acc.Gd, off);
+      acc.merge(o);
+    }
+    if (threadIdx.x == 0) row_sum = acc;
+  }
+  __syncthreads();
+  const VjpSums s = row_sum;
+  __syncthreads();
+  return s;
+}
+
+template <typename scalar_t>
+__global__ void mask_vjp_apply_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ x,
+                                      const double* __restrict__ b, const double* __restrict__ t,
+                                      const VjpSums* __restrict__ partial, scalar_t* __restrict__ gx,
+                                      double* __restrict__ gk, double* __restrict__ gt, int64_t rows,
+                                      int64_t n, double sign, bool log_mode) {
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const double br = sign * b[r], tr = t[r];
+    const MaskVjp v = mask_vjp(fold_partials(partial + r * gridDim.x, gridDim.x), br, tr);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      gk[r] = v.grad_k;
+      gt[r] = v.grad_t;
+    }
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+         i += int64_t(gridDim.x) * blockDim.x) {
+      const double s = sign * static_cast<double>(x[r * n + i]);
+      const double tw = lapsum_weight_scaled(s, br, tr);
+      const double G = tw == 0.0 ? 0.0 : element_G(grad + r * n, i, (s - br) / tr, tw, log_mode);
+      gx[r * n + i] = static_cast<scalar_t>(sign * v.grad_score(G, tw));
+    }
+  }
+}
+
+template <typename scalar_t>
+__global__ void threshold_vjp_apply_kernel(const double* __restrict__ grad_b, const scalar_t* __restrict__ x,
+                                           const double* __restrict__ b, const double* __restrict__ t,
+                                           const VjpSums* __restrict__ partial, scalar_t* __restrict__ gx,
+                                           double* __restrict__ gk, double* __restrict__ gt,
+                                           int64_t rows, int64_t n, double sign) {
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const double br = sign * b[r], tr = t[r];
+    const ThresholdVjp v = threshold_vjp(fold_partials(partial + r * gridDim.x, gridDim.x), grad_b[r], br, tr, sign);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      gk[r] = v.grad_k;
+      gt[r] = v.grad_t;
+    }
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+         i += int64_t(gridDim.x) * blockDim.x)
+      gx[r * n + i] = static_cast<scalar_t>(v.scale * lapsum_weight_scaled(sign * static_cast<double>(x[r * n + i]), br, tr));
+  }
+}
+
+struct BackwardBuffers {
+  at::Tensor x, b, t, gx, gk, gt, partial;
+  dim3 grid;
+};
+
+BackwardBuffers prepare(const at::Tensor& x_in, const at::Tensor& b_in, const at::Tensor& t_in) {
+  TORCH_CHECK(x_in.dim() == 2, "fastlapsum: expected x of shape [rows, n]");
+  TORCH_CHECK(b_in.scalar_type() == at::kDouble && t_in.scalar_type() == at::kDouble,
+              "fastlapsum: b and t must be float64");
+  BackwardBuffers w;
+  w.x = x_in.contiguous();
+  w.b = b_in.contiguous();
+  w.t = t_in.contiguous();
+  const int64_t rows = w.x.size(0), n = w.x.size(1);
+  w.grid = row_grid(rows, n, 8, kMaxChunks);
+  w.gx = at::empty_like(w.x);
+  w.gk = at::empty({rows}, w.b.options());
+  w.gt = at::empty({rows}, w.b.options());
+  // workspace from the caching allocator: [rows, chunks] partial sums
+  w.partial = at::empty({rows * int64_t(w.grid.x) * int64_t(sizeof(VjpSums))}, w.x.options().dtype(at::kByte));
+  return w;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cuda(
+    const at::Tensor& grad_in, const at::Tensor& x_in, const at::Tensor& b_in,
+    const at::Tensor& t_in, bool largest, bool log_mode) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  BackwardBuffers w = prepare(x_in, b_in, t_in);
+  if (w.x.numel() == 0) return {w.gx, w.gk.zero_(), w.gt.zero_()};
+  const at::Tensor g = grad_in.to(w.x.scalar_type()).contiguous();
+  const int64_t rows = w.x.size(0), n = w.x.size(1);
+  const double sign = largest ? 1.0 : -1.0;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  auto* partial = reinterpret_cast<VjpSums*>(w.partial.mutable_data_ptr());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.x.scalar_type(), "soft_topk_backward_cuda", [&] {
+    vjp_reduce_kernel<scalar_t><<<w.grid, kThreads, 0, stream>>>(
+        g.const_data_ptr<scalar_t>(), w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
+        w.t.const_data_ptr<double>(), partial, rows, n, sign, log_mode);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    mask_vjp_apply_kernel<scalar_t><<<w.grid, kThreads, 0, stream>>>(
+        g.const_data_ptr<scalar_t>(), w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
+        w.t.const_data_ptr<double>(), partial, w.gx.mutable_data_ptr<scalar_t>(),
+        w.gk.mutable_data_ptr<double>(), w.gt.mutable_data_ptr<double>(), rows, n, sign, log_mode);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {w.gx, w.gk, w.gt};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cuda(
+    const at::Tensor& grad_b_in, const at::Tensor& x_in, const at::Tensor& b_in,
+    const at::Tensor& t_in, bool largest) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  BackwardBuffers w = prepare(x_in, b_in, t_in);
+  if (w.x.numel() == 0) return {w.gx, w.gk.zero_(), w.gt.zero_()};
+  const at::Tensor gb = grad_b_in.to(at::kDouble).contiguous();
+  const int64_t rows = w.x.size(0), n = w.x.size(1);
+  const double sign = largest ? 1.0 : -1.0;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  auto* partial = reinterpret_cast<VjpSums*>(w.partial.mutable_data_ptr());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.x.scalar_type(), "threshold_backward_cuda", [&] {
+    vjp_reduce_kernel<scalar_t><<<w.grid, kThreads, 0, stream>>>(
+        nullptr, w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
+        w.t.const_data_ptr<double>(), partial, rows, n, sign, false);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    threshold_vjp_apply_kernel<scalar_t><<<w.grid, kThreads, 0, stream>>>(
+        gb.const_data_ptr<double>(), w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
+        w.t.const_data_ptr<double>(), partial, w.gx.mutable_data_ptr<scalar_t>(),
+        w.gk.mutable_data_ptr<double>(), w.gt.mutable_data_ptr<double>(), rows, n, sign);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {w.gx, w.gk, w.gt};
+}
+
+TORCH_LIBRARY_IMPL(fastlapsum, CUDA, m) {
+  m.impl("soft_topk_backward", &soft_topk_backward_cuda);
+  m.impl("lapsum_threshold_backward", &lapsum_threshold_backward_cuda);
+}
+
+}  // namespace fastlapsum

@@ -1,0 +1,138 @@
+// LapSum math shared by the CPU and CUDA paths (DESIGN.md §1).
+//
+// Everything here is a pure function of scalars, compiled for host and device:
+// the Laplace CDF / density, the closed-form root on one interval of the budget
+// curve, the order-preserving float keys, and the deterministic sample noise.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define FLS_HD __host__ __device__ __forceinline__
+#else
+#define FLS_HD inline
+#endif
+
+namespace fastlapsum {
+
+// Solver paths reported in the per-row diagnostics.
+enum SolvePath : int64_t {
+  kPathDirect = 0,        // answer without a solve: k = 0, k = n, infinities, NaN
+  kPathSort = 1,          // full sort + closed-form scan (§1.1)
+  kPathBracket = 2,       // certified sample bracket, first try (§1.2)
+  kPathBracketRetry = 3,  // certified sample bracket after widening
+  kPathRadix = 4,         // exact radix-bracket fallback
+};
+
+// method argument of the threshold ops
+enum SolveMethod : int64_t { kMethodAuto = 0, kMethodSort = 1, kMethodBracket = 2 };
+
+// isfinite that means the same in host and device code (x - x is NaN for inf and NaN).
+FLS_HD bool is_finite(double x) { return x - x == 0.0; }
+
+// F(u): standard Laplace CDF.
+FLS_HD double laplace_cdf(double u) {
+  return u <= 0.0 ? 0.5 * exp(u) : 1.0 - 0.5 * exp(-u);
+}
+
+// log F(u) without cancellation.
+FLS_HD double laplace_log_cdf(double u) {
+  return u <= 0.0 ? u - 0.6931471805599453 : log1p(-0.5 * exp(-u));
+}
+
+// t * f(u) = e^{-|u|} / 2, the Laplace density times the temperature.
+FLS_HD double laplace_pdf_scaled(double u) { return 0.5 * exp(-fabs(u)); }
+
+// Mask value for score s given the row's threshold b, temperature t and the mass
+// `edge` that infinite scores carry when b itself is infinite (the budget is then
+// spread over the tied +inf scores, or the -inf scores get what is left).
+FLS_HD double lapsum_prob(double s, double b, double t, double edge) {
+  if (b == INFINITY) return s == INFINITY ? edge : 0.0;
+  if (b == -INFINITY) return s == -INFINITY ? edge : 1.0;
+  return laplace_cdf((s - b) / t);
+}
+
+FLS_HD double lapsum_log_prob(double s, double b, double t, double edge) {
+  if (b == INFINITY) return s == INFINITY ? log(edge) : -INFINITY;
+  if (b == -INFINITY) return s == -INFINITY ? log(edge) : 0.0;
+  return laplace_log_cdf((s - b) / t);
+}
+
+// t * w_i = t * f((s - b)/t)/t: the VJP weight times t.  Zero where the row's
+// threshold is infinite (the mask is hard there) and for infinite scores.
+FLS_HD double lapsum_weight_scaled(double s, double b, double t) {
+  if (!is_finite(b) || !is_finite(s)) return 0.0;
+  return laplace_pdf_scaled((s - b) / t);
+}
+
+// The budget curve restricted to one interval [lo, hi] that holds no score in its
+// interior:  Psi(b) = C - 1/2 e^{(b-hi)/t} A + 1/2 e^{(lo-b)/t} B  with
+//   C = #scores >= hi,  A = sum_{s >= hi} e^{(hi-s)/t},  B = sum_{s <= lo} e^{(s-lo)/t}.
+// Returns the root of Psi(b) = k on the interval (DESIGN §1.1): a quadratic in
+// v = e^{(b-hi)/t} or in u = e^{(lo-b)/t}, whichever side has c = C - k of the sign
+// that avoids cancellation. hi may be +inf (A = 0) and lo may be -inf (B = 0).
+FLS_HD double solve_interval(double C, double A, double B, double hi, double lo, double k,
+                             double t) {
+  const double c = C - k;
+  if (c > 0.0) {
+    const double AG = (B > 0.0) ? A * B * exp((lo - hi) / t) : 0.0;
+    const double v = (c + sqrt(c * c + AG)) / A;
+    return hi + t * log(v);
+  }
+  if (c < 0.0) {
+    const double cp = -c;
+    const double AG = (A > 0.0) ? A * B * exp((lo - hi) / t) : 0.0;
+    const double u = (cp + sqrt(cp * cp + AG)) / B;
+    return lo - t * log(u);
+  }
+  // c == 0: v^2 = B G / A, taken in the log domain so that a huge gap cannot underflow.
+  return 0.5 * (hi + lo) + 0.5 * t * log(B / A);
+}
+
+// Psi at the two ends of an interval described as for solve_interval.
+FLS_HD double psi_at_hi(double C, double A, double B, double hi, double lo, double t) {
+  const double G = (B > 0.0 && A >= 0.0) ? exp((lo - hi) / t) : 0.0;
+  return C - 0.5 * A + 0.5 * G * B;
+}
+FLS_HD double psi_at_lo(double C, double A, double B, double hi, double lo, double t) {
+  const double G = (A > 0.0) ? exp((lo - hi) / t) : 0.0;
+  return C - 0.5 * G * A + 0.5 * B;
+}
+
+// Order-preserving unsigned keys: a < b (as floats) iff key(a) < key(b).
+// Every NaN maps to the largest key, so NaN ranks above +inf as in torch.topk.
+FLS_HD uint32_t float_key(float x) {
+  if (x != x) return 0xFFFFFFFFu;
+  uint32_t u;
+  memcpy(&u, &x, sizeof(u));
+  if (u == 0x80000000u) u = 0;  // -0 == +0
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+FLS_HD uint64_t double_key(double x) {
+  if (x != x) return 0xFFFFFFFFFFFFFFFFull;
+  uint64_t u;
+  memcpy(&u, &x, sizeof(u));
+  if (u == 0x8000000000000000ull) u = 0;
+  return (u & 0x8000000000000000ull) ? ~u : (u | 0x8000000000000000ull);
+}
+
+// Deterministic 32-bit mixing (a counter-based generator: no state, same on CPU/GPU).
+FLS_HD uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// Standard Laplace noise for sample slot s: the inverse CDF at a hashed uniform.
+FLS_HD double laplace_noise(uint32_t s) {
+  const double u = (static_cast<double>(mix32(s * 2654435761u + 0x9e3779b9u)) + 0.5) *
+                   (1.0 / 4294967296.0);  // in (0, 1)
+  return u < 0.5 ? log(2.0 * u) : -log(2.0 * (1.0 - u));
+}
+
+}  // namespace fastlapsum

@@ -1,0 +1,67 @@
+// CPU mask writers: the soft (or log) LapSum mask from a row's fp64 threshold, and the
+// straight-through hard mask with exactly k ones.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/types.h>
+
+#include <vector>
+
+#include "../common/lapsum_math.h"
+#include "../hard_topk/select_cpu.h"
+#include "../ops.h"
+
+namespace fastlapsum {
+
+at::Tensor lapsum_mask_cpu(const at::Tensor& x_in, const at::Tensor& b_in, const at::Tensor& t_in,
+                           const at::Tensor& edge_in, bool largest, bool log_mode) {
+  TORCH_CHECK(x_in.dim() == 2, "fastlapsum: expected x of shape [rows, n]");
+  const at::Tensor x = x_in.contiguous(), b = b_in.contiguous(), t = t_in.contiguous(),
+                   edge = edge_in.contiguous();
+  const int64_t n = x.size(1);
+  at::Tensor p = at::empty_like(x);
+  const double sign = largest ? 1.0 : -1.0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "lapsum_mask", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    scalar_t* pp = p.mutable_data_ptr<scalar_t>();
+    const double* bp = b.const_data_ptr<double>();
+    const double* tp = t.const_data_ptr<double>();
+    const double* ep = edge.const_data_ptr<double>();
+    at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r = i / n;
+        const double s = sign * static_cast<double>(xp[i]), br = sign * bp[r];
+        pp[i] = static_cast<scalar_t>(log_mode ? lapsum_log_prob(s, br, tp[r], ep[r])
+                                               : lapsum_prob(s, br, tp[r], ep[r]));
+      }
+    });
+  });
+  return p;
+}
+
+at::Tensor hard_mask_cpu(const at::Tensor& x_in, const at::Tensor& k_in, bool largest) {
+  const at::Tensor x = x_in.contiguous(), k = k_in.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor p = at::zeros_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "hard_mask", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const double* kp = k.const_data_ptr<double>();
+    scalar_t* pp = p.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+      std::vector<int64_t> idx;
+      for (int64_t r = r0; r < r1; ++r) {
+        scalar_t* row_out = pp + r * n;
+        const double kr = kp[r];
+        if (!(kr >= 0 && kr <= n) || kr != std::nearbyint(kr)) {
+          std::fill(row_out, row_out + n, static_cast<scalar_t>(NAN));
+          continue;
+        }
+        idx.resize(static_cast<int64_t>(kr));
+        select_top_indices(xp + r * n, n, static_cast<int64_t>(kr), largest, false, idx.data());
+        for (int64_t i : idx) row_out[i] = static_cast<scalar_t>(1);
+      }
+    });
+  });
+  return p;
+}
+
+}  // namespace fastlapsum

@@ -1,0 +1,57 @@
+// CUDA mask writer: the soft (or log) LapSum mask from each row's fp64 threshold.
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include "../common/cuda_launch.cuh"
+#include "../common/lapsum_math.h"
+#include "../ops.h"
+
+namespace fastlapsum {
+namespace {
+
+template <typename scalar_t, bool kLog>
+__global__ void lapsum_mask_kernel(const scalar_t* __restrict__ x, const double* __restrict__ b,
+                                   const double* __restrict__ t, const double* __restrict__ edge,
+                                   scalar_t* __restrict__ p, int64_t rows, int64_t n, double sign) {
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const double br = sign * b[r], tr = t[r], er = edge[r];
+    const scalar_t* xr = x + r * n;
+    scalar_t* pr = p + r * n;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+         i += int64_t(gridDim.x) * blockDim.x) {
+      const double s = sign * static_cast<double>(xr[i]);
+      pr[i] = static_cast<scalar_t>(kLog ? lapsum_log_prob(s, br, tr, er) : lapsum_prob(s, br, tr, er));
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor lapsum_mask_cuda(const at::Tensor& x_in, const at::Tensor& b_in, const at::Tensor& t_in,
+                            const at::Tensor& edge_in, bool largest, bool log_mode) {
+  TORCH_CHECK(x_in.dim() == 2, "fastlapsum: expected x of shape [rows, n]");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous(), b = b_in.contiguous(), t = t_in.contiguous(),
+                   edge = edge_in.contiguous();
+  at::Tensor p = at::empty_like(x);
+  const int64_t rows = x.size(0), n = x.size(1);
+  if (x.numel() == 0) return p;
+  const dim3 grid = row_grid(rows, n, 4, 4096);
+  const double sign = largest ? 1.0 : -1.0;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "lapsum_mask_cuda", [&] {
+    const auto args = std::make_tuple(x.const_data_ptr<scalar_t>(), b.const_data_ptr<double>(),
+                                      t.const_data_ptr<double>(), edge.const_data_ptr<double>(),
+                                      p.mutable_data_ptr<scalar_t>(), rows, n, sign);
+    if (log_mode)
+      std::apply([&](auto... a) { lapsum_mask_kernel<scalar_t, true><<<grid, kThreads, 0, stream>>>(a...); }, args);
+    else
+      std::apply([&](auto... a) { lapsum_mask_kernel<scalar_t, false><<<grid, kThreads, 0, stream>>>(a...); }, args);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return p;
+}
+
+TORCH_LIBRARY_IMPL(fastlapsum, CUDA, m) { m.impl("lapsum_mask", &lapsum_mask_cuda); }
+
+}  // namespace fastlapsum

@@ -1,0 +1,267 @@
+// CPU threshold solvers for the LapSum budget equation (DESIGN §1.1, §1.2).
+//
+// Per row: count non-finite scores and settle the cases with no interior root;
+// otherwise solve on the finite scores with the sort solver or the certified sample
+// bracket, whose exact fallback is the radix bracket. Rows run in parallel; a long
+// row's passes are split into a fixed number of parts (fixed so that the answer does
+// not depend on the thread count).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <array>
+#include <limits>
+#include <vector>
+
+#include "../common/atom_scan.h"
+#include "../common/bracket_rule.h"
+#include "../common/cpu_rows.h"
+#include "../ops.h"
+
+namespace fastlapsum {
+namespace {
+
+constexpr int64_t kAutoBracketMinN = 1 << 14;  // measured crossover, see benchmarks/
+
+struct RowSolution {
+  double b;
+  double edge;
+  int64_t path;
+  int64_t middle;
+  int64_t attempts;
+};
+
+struct Counts {
+  int64_t nan = 0, pinf = 0, ninf = 0;
+};
+
+template <typename scalar_t>
+Counts count_nonfinite(const Row<scalar_t>& row) {
+  Counts total;
+  for (const Counts& c : over_parts<Counts>(row.n, Counts{}, [&](int64_t i0, int64_t i1, Counts& c) {
+         for (int64_t i = i0; i < i1; ++i) {
+           const double s = row(i);
+           if (std::isnan(s)) ++c.nan;
+           else if (s == INFINITY) ++c.pinf;
+           else if (s == -INFINITY) ++c.ninf;
+         }
+       })) {
+    total.nan += c.nan; total.pinf += c.pinf; total.ninf += c.ninf;
+  }
+  return total;
+}
+
+// §1.1: sort the finite scores and scan them as point atoms.
+template <typename scalar_t>
+double solve_sort(const Row<scalar_t>& row, int64_t finite, double k, double t) {
+  std::vector<double> s;
+  s.reserve(finite);
+  for (int64_t i = 0; i < row.n; ++i) {
+    const double v = row(i);
+    if (std::isfinite(v)) s.push_back(v);
+  }
+  std::sort(s.begin(), s.end(), std::greater<double>());
+  std::vector<double> scratch(s.size() + 1);
+  const ScanResult r = scan_atoms([&](int64_t i) { return point_atom(s[i]); },
+                                  static_cast<int64_t>(s.size()), Tail{0.0, 0.0, INFINITY},
+                                  Tail{0.0, 0.0, -INFINITY}, k, t, scratch.data());
+  return r.b;
+}
+
+// §1.2 fallback: the radix bracket. Each level histograms the next 11-bit digit of
+// the order-preserving key of the scores still in play into range atoms; the scan
+// either solves in a gap or names the bin to refine. Exact, O(n) per level, and a
+// bin that holds one distinct value can never contain the root, so it terminates.
+template <typename scalar_t>
+double solve_radix(const Row<scalar_t>& row, double k, double t) {
+  constexpr int kDigitBits = 11;
+  constexpr int kBins = 1 << kDigitBits;
+  Tail above{0.0, 0.0, INFINITY}, below{0.0, 0.0, -INFINITY};
+  uint64_t prefix = 0;
+  std::vector<double> scratch(kBins + 1);
+  for (int done = 0; done < 64; done += kDigitBits) {
+    const int bits = std::min(kDigitBits, 64 - done);
+    const int shift = 64 - done - bits;
+    using Hist = std::vector<Atom>;
+    const Hist empty(kBins, Atom{0, 0, 0, 0, 0});
+    auto parts = over_parts<Hist>(row.n, empty, [&](int64_t i0, int64_t i1, Hist& h) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const double s = row(i);
+        if (!std::isfinite(s)) continue;
+        const uint64_t key = double_key(s);
+        if (done > 0 && (key >> (64 - done)) != prefix) continue;
+        atom_add(h[(key >> shift) & ((1u << bits) - 1)], s, t);
+      }
+    });
+    Hist& hist = parts[0];
+    for (size_t p = 1; p < parts.size(); ++p)
+      for (int j = 0; j < kBins; ++j) atom_merge(hist[j], parts[p][j], t);
+    std::vector<int> bins;  // non-empty bins, highest first
+    for (int j = (1 << bits) - 1; j >= 0; --j)
+      if (hist[j].count > 0) bins.push_back(j);
+    const ScanResult r = scan_atoms([&](int64_t i) { return hist[bins[i]]; },
+                                    static_cast<int64_t>(bins.size()), above, below, k, t,
+                                    scratch.data());
+    if (r.inside < 0) return r.b;
+    prefix = (prefix << bits) | static_cast<uint64_t>(bins[r.inside]);
+    above = r.above;
+    below = r.below;
+  }
+  return NAN;  // unreachable: a 64-bit prefix is a single value
+}
+
+struct BracketPass {
+  double h = 0, SR = 0, SL = 0, midR = 0, midL = 0;
+  int64_t count = 0;
+  std::vector<double> mid;
+};
+
+// §1.2: propose a bracket from the noised systematic sample, certify it and gather the
+// middle set in one pass, solve on the middle set with the tails folded in; widen on
+// failure (the failed side tells where b is), then fall back to the radix bracket.
+template <typename scalar_t>
+RowSolution solve_bracket(const Row<scalar_t>& row, int64_t row_index, int64_t finite, double k,
+                          double t) {
+  const SampleGeometry g = sample_geometry(row.n, row_index);
+  std::vector<double> y;
+  y.reserve(g.count);
+  for (int64_t s = 0; s < g.count; ++s) {
+    const double v = row(g.offset + s * g.stride);
+    if (std::isfinite(v)) y.push_back(v + t * laplace_noise(static_cast<uint32_t>(s)));
+  }
+  std::sort(y.begin(), y.end());
+  const int64_t m = static_cast<int64_t>(y.size());
+  double known_lo = -INFINITY, known_hi = INFINITY;  // b >= known_lo, b < known_hi
+  int64_t middle = 0;
+  for (int attempt = 0; attempt < kBracketAttempts && m > 0; ++attempt) {
+    int64_t il, iu;
+    bracket_indices(m, static_cast<double>(finite), k, attempt, &il, &iu);
+    const double aL = std::max(il < 0 ? -INFINITY : y[il], known_lo);
+    const double aR = std::min(iu >= m ? INFINITY : y[iu], known_hi);
+    if (!(aL < aR)) continue;  // what earlier tries learnt leaves no room: widen
+    const int64_t cap = middle_capacity(finite, m, il, iu);
+    auto parts = over_parts<BracketPass>(row.n, BracketPass{}, [&](int64_t i0, int64_t i1,
+                                                                   BracketPass& q) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const double s = row(i);
+        if (!std::isfinite(s)) continue;
+        if (s >= aR) {
+          q.h += 1.0;
+          q.SR += std::exp((aR - s) / t);
+        } else if (s < aL) {
+          q.SL += std::exp((s - aL) / t);
+        } else {
+          q.midR += std::exp((s - aR) / t);
+          q.midL += std::exp((aL - s) / t);
+          if (q.count++ < cap) q.mid.push_back(s);
+        }
+      }
+    });
+    BracketPass tot;
+    for (const BracketPass& q : parts) {
+      tot.h += q.h; tot.SR += q.SR; tot.SL += q.SL;
+      tot.midR += q.midR; tot.midL += q.midL; tot.count += q.count;
+    }
+    middle = tot.count;
+    const double G = std::isfinite(aL) && std::isfinite(aR) ? std::exp((aL - aR) / t) : 0.0;
+    const double psiR = tot.h - 0.5 * tot.SR + 0.5 * tot.midR + 0.5 * tot.SL * G;
+    const double psiL = tot.h + tot.count - 0.5 * tot.SR * G - 0.5 * tot.midL + 0.5 * tot.SL;
+    if (psiR > k) known_lo = std::max(known_lo, aR);  // b lies above the bracket
+    if (psiL < k) known_hi = std::min(known_hi, aL);  // b lies below it
+    if (psiR > k || psiL < k) continue;
+    if (tot.count > cap) break;  // certified but too wide to gather: ties, go exact
+    std::vector<double> mid;
+    mid.reserve(tot.count);
+    for (const BracketPass& q : parts) mid.insert(mid.end(), q.mid.begin(), q.mid.end());
+    std::sort(mid.begin(), mid.end(), std::greater<double>());
+    std::vector<double> scratch(mid.size() + 1);
+    const ScanResult r = scan_atoms([&](int64_t i) { return point_atom(mid[i]); },
+                                    static_cast<int64_t>(mid.size()), Tail{tot.h, tot.SR, aR},
+                                    Tail{0.0, tot.SL, aL}, k, t, scratch.data());
+    return RowSolution{r.b, 1.0, attempt == 0 ? kPathBracket : kPathBracketRetry, middle,
+                       attempt + 1};
+  }
+  return RowSolution{solve_radix(row, k, t), 1.0, kPathRadix, middle, kBracketAttempts};
+}
+
+template <typename scalar_t>
+RowSolution solve_row(const Row<scalar_t>& row, int64_t row_index, double k, double t,
+                      int64_t method) {
+  const double n = static_cast<double>(row.n);
+  if (!(k >= 0.0 && k <= n) || !(t > 0.0) || !std::isfinite(t))
+    return RowSolution{NAN, NAN, kPathDirect, 0, 0};
+  const Counts c = count_nonfinite(row);
+  if (c.nan > 0) return RowSolution{NAN, NAN, kPathDirect, 0, 0};
+  const double pinf = static_cast<double>(c.pinf), ninf = static_cast<double>(c.ninf);
+  const int64_t finite = row.n - c.pinf - c.ninf;
+  // No interior root: the budget is used up by the +inf scores, or needs the -inf ones.
+  if (k <= pinf) return RowSolution{INFINITY, pinf > 0 ? k / pinf : 0.0, kPathDirect, 0, 0};
+  if (k >= n - ninf)
+    return RowSolution{-INFINITY, ninf > 0 ? (k - (n - ninf)) / ninf : 1.0, kPathDirect, 0, 0};
+  const double kf = k - pinf;  // budget left for the finite scores, 0 < kf < finite
+  const bool bracket =
+      method == kMethodBracket || (method == kMethodAuto && finite >= kAutoBracketMinN);
+  if (bracket) return solve_bracket(row, row_index, finite, kf, t);
+  return RowSolution{solve_sort(row, finite, kf, t), 1.0, kPathSort, finite, 0};
+}
+
+void check_soft_inputs(const at::Tensor& x, const at::Tensor& k, const at::Tensor& t) {
+  TORCH_CHECK(x.dim() == 2, "fastlapsum: expected x of shape [rows, n]");
+  TORCH_CHECK(x.is_floating_point(), "fastlapsum: x must be a floating-point tensor");
+  TORCH_CHECK(k.scalar_type() == at::kDouble && t.scalar_type() == at::kDouble,
+              "fastlapsum: k and t must be float64");
+  TORCH_CHECK(k.numel() == x.size(0) && t.numel() == x.size(0),
+              "fastlapsum: k and t need one value per row");
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cpu(const at::Tensor& x_in,
+                                                                    const at::Tensor& k_in,
+                                                                    const at::Tensor& t_in,
+                                                                    bool largest, int64_t method) {
+  check_soft_inputs(x_in, k_in, t_in);
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor k = k_in.contiguous(), t = t_in.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor b = at::empty({rows}, x.options().dtype(at::kDouble));
+  at::Tensor edge = at::empty({rows}, x.options().dtype(at::kDouble));
+  at::Tensor diag = at::empty({rows, 3}, x.options().dtype(at::kLong));
+  const double sign = largest ? 1.0 : -1.0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "lapsum_threshold", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const double* kp = k.const_data_ptr<double>();
+    const double* tp = t.const_data_ptr<double>();
+    double* bp = b.mutable_data_ptr<double>();
+    double* ep = edge.mutable_data_ptr<double>();
+    int64_t* dp = diag.mutable_data_ptr<int64_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const RowSolution s = solve_row(Row<scalar_t>{xp + r * n, n, sign}, r, kp[r], tp[r], method);
+        bp[r] = sign * s.b;
+        ep[r] = s.edge;
+        dp[3 * r] = s.path;
+        dp[3 * r + 1] = s.middle;
+        dp[3 * r + 2] = s.attempts;
+      }
+    });
+  });
+  return {b, edge, diag};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_forward_cpu(
+    const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest, int64_t method,
+    int64_t mode) {
+  auto [b, edge, diag] = lapsum_threshold_cpu(x, k, t, largest, method);
+  at::Tensor p;
+  if (mode == kModeHard) {
+    // A NaN row stays NaN; otherwise exactly k ones.
+    p = hard_mask_cpu(x, k, largest).masked_fill_(b.isnan().unsqueeze(1), NAN);
+  } else {
+    p = lapsum_mask_cpu(x, b, t, edge, largest, mode == kModeLog);
+  }
+  return {p, b, diag};
+}
+
+}  // namespace fastlapsum

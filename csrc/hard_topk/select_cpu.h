@@ -1,0 +1,33 @@
+// Exact selection of a row's top-k indices on the CPU, shared by fastlapsum.topk and
+// the straight-through hard mask. Expected O(n) (nth_element) on order-preserving
+// keys with the index as tie-break, so the answer is deterministic: among tied
+// scores the smaller index wins, and NaN ranks above +inf as in torch.topk.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "../common/lapsum_math.h"
+
+namespace fastlapsum {
+
+template <typename scalar_t>
+void select_top_indices(const scalar_t* row, int64_t n, int64_t k, bool largest, bool sorted,
+                        int64_t* out) {
+  using Entry = std::pair<uint64_t, int64_t>;
+  std::vector<Entry> e(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t key = double_key(static_cast<double>(row[i]));
+    e[i] = Entry{largest ? key : ~key, i};
+  }
+  const auto better = [](const Entry& a, const Entry& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  if (k < n) std::nth_element(e.begin(), e.begin() + k, e.end(), better);
+  if (sorted) std::sort(e.begin(), e.begin() + k, better);
+  for (int64_t i = 0; i < k; ++i) out[i] = e[i].second;
+}
+
+}  // namespace fastlapsum

@@ -1,0 +1,53 @@
+// fastlapsum.topk on the CPU: exact top-k per row over the valid prefix, -1 padding.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/types.h>
+
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "../ops.h"
+#include "select_cpu.h"
+
+namespace fastlapsum {
+
+std::tuple<at::Tensor, at::Tensor> topk_cpu(const at::Tensor& x_in, int64_t k, bool largest,
+                                            bool sorted, const std::optional<at::Tensor>& lengths) {
+  TORCH_CHECK(x_in.dim() == 2, "fastlapsum.topk: expected x of shape [rows, n]");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(k >= 0 && k <= n, "fastlapsum.topk: k must be in [0, n]");
+  at::Tensor len;
+  if (lengths.has_value()) {
+    len = lengths->to(at::kLong).contiguous();
+    TORCH_CHECK(len.numel() == rows, "fastlapsum.topk: lengths needs one value per row");
+    TORCH_CHECK(rows == 0 || (len.min().item<int64_t>() >= 0 && len.max().item<int64_t>() <= n),
+                "fastlapsum.topk: lengths must lie in [0, n]");
+  }
+  at::Tensor values = at::empty({rows, k}, x.options());
+  at::Tensor indices = at::empty({rows, k}, x.options().dtype(at::kLong));
+  const int64_t* lp = len.defined() ? len.const_data_ptr<int64_t>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "topk", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    scalar_t* vp = values.mutable_data_ptr<scalar_t>();
+    int64_t* ip = indices.mutable_data_ptr<int64_t>();
+    // Padding value: the worst possible score in the requested order.
+    const scalar_t pad = static_cast<scalar_t>(largest ? -std::numeric_limits<double>::infinity()
+                                                       : std::numeric_limits<double>::infinity());
+    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t valid = lp ? lp[r] : n;
+        const int64_t take = std::min(k, valid);
+        const scalar_t* row = xp + r * n;
+        int64_t* out_i = ip + r * k;
+        select_top_indices(row, valid, take, largest, sorted, out_i);
+        std::fill(out_i + take, out_i + k, int64_t{-1});
+        for (int64_t j = 0; j < k; ++j) vp[r * k + j] = j < take ? row[out_i[j]] : pad;
+      }
+    });
+  });
+  return {values, indices};
+}
+
+}  // namespace fastlapsum

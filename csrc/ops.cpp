@@ -1,0 +1,39 @@
+// Op schemas (one TORCH_LIBRARY block) and the CPU kernels. CUDA kernels register
+// themselves in their .cu files; see fastlapsum/_ops.py for fake kernels and autograd.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+// An importable module, so that `import fastlapsum._C` loads the op library.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+
+TORCH_LIBRARY(fastlapsum, m) {
+  // -> (b, edge, diag); b in x's units, diag int64 [rows, 3] = (path, middle size, attempts)
+  m.def("lapsum_threshold(Tensor x, Tensor k, Tensor t, bool largest, int method)"
+        " -> (Tensor, Tensor, Tensor)");
+  // -> (p, b, diag); mode 0 soft, 1 log, 2 hard (straight-through forward)
+  m.def("soft_topk_forward(Tensor x, Tensor k, Tensor t, bool largest, int method, int mode)"
+        " -> (Tensor, Tensor, Tensor)");
+  m.def("lapsum_mask(Tensor x, Tensor b, Tensor t, Tensor edge, bool largest, bool log_mode)"
+        " -> Tensor");
+  // -> (grad_x, grad_k, grad_t)
+  m.def("soft_topk_backward(Tensor grad, Tensor x, Tensor b, Tensor t, bool largest,"
+        " bool log_mode) -> (Tensor, Tensor, Tensor)");
+  m.def("lapsum_threshold_backward(Tensor grad_b, Tensor x, Tensor b, Tensor t, bool largest)"
+        " -> (Tensor, Tensor, Tensor)");
+  // -> (values, indices); indices -1 (values -inf / +inf) past a row's valid length
+  m.def("topk(Tensor x, int k, bool largest, bool sorted, Tensor? lengths) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fastlapsum, CPU, m) {
+  m.impl("lapsum_threshold", &fastlapsum::lapsum_threshold_cpu);
+  m.impl("soft_topk_forward", &fastlapsum::soft_topk_forward_cpu);
+  m.impl("lapsum_mask", &fastlapsum::lapsum_mask_cpu);
+  m.impl("soft_topk_backward", &fastlapsum::soft_topk_backward_cpu);
+  m.impl("lapsum_threshold_backward", &fastlapsum::lapsum_threshold_backward_cpu);
+  m.impl("topk", &fastlapsum::topk_cpu);
+}

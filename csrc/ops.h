@@ -1,0 +1,52 @@
+// Kernel entry points behind the schemas of ops.cpp (one per device).
+//
+// Conventions shared by every soft op: x is a contiguous [rows, n] tensor (the Python
+// layer moves the selection dim last), k and t are float64 [rows] tensors, b is the
+// threshold in x's units (float64 [rows]), and `largest=false` means the operator on -x.
+#pragma once
+
+#include <torch/types.h>
+
+#include <tuple>
+
+namespace fastlapsum {
+
+// soft_topk_forward modes
+enum MaskMode : int64_t { kModeSoft = 0, kModeLog = 1, kModeHard = 2 };
+
+// ---- CPU -------------------------------------------------------------------------
+// -> (b, edge, diag): edge is the mask value of infinite scores when b is infinite,
+// diag is int64 [rows, 3] = (SolvePath, middle-set size, bracket attempts).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cpu(const at::Tensor& x,
+                                                                    const at::Tensor& k,
+                                                                    const at::Tensor& t,
+                                                                    bool largest, int64_t method);
+at::Tensor lapsum_mask_cpu(const at::Tensor& x, const at::Tensor& b, const at::Tensor& t,
+                           const at::Tensor& edge, bool largest, bool log_mode);
+// hard=true mask: exactly round(k_r) ones per row (smaller index wins ties).
+at::Tensor hard_mask_cpu(const at::Tensor& x, const at::Tensor& k, bool largest);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_forward_cpu(
+    const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest, int64_t method,
+    int64_t mode);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cpu(
+    const at::Tensor& grad, const at::Tensor& x, const at::Tensor& b, const at::Tensor& t,
+    bool largest, bool log_mode);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cpu(
+    const at::Tensor& grad_b, const at::Tensor& x, const at::Tensor& b, const at::Tensor& t,
+    bool largest);
+std::tuple<at::Tensor, at::Tensor> topk_cpu(const at::Tensor& x, int64_t k, bool largest,
+                                            bool sorted, const std::optional<at::Tensor>& lengths);
+
+// ---- CUDA ------------------------------------------------------------------------
+#ifdef FASTLAPSUM_WITH_CUDA
+at::Tensor lapsum_mask_cuda(const at::Tensor& x, const at::Tensor& b, const at::Tensor& t,
+                            const at::Tensor& edge, bool largest, bool log_mode);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cuda(
+    const at::Tensor& grad, const at::Tensor& x, const at::Tensor& b, const at::Tensor& t,
+    bool largest, bool log_mode);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cuda(
+    const at::Tensor& grad_b, const at::Tensor& x, const at::Tensor& b, const at::Tensor& t,
+    bool largest);
+#endif
+
+}  // namespace fastlapsum

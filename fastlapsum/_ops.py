@@ -1,0 +1,195 @@
+"""The custom ops' Python side: fake (meta) kernels, autograd formulas, and the CUDA
+kernels that are still composed from PyTorch ops.
+
+The schemas live in csrc/ops.cpp. Every op works on [rows, n] tensors with the
+selection dim last; fastlapsum/functional.py does the reshaping and validation.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _C  # noqa: F401  (loads the op library)
+from . import reference
+
+ops = torch.ops.fastlapsum
+F64 = torch.float64
+
+METHODS = {"auto": 0, "sort": 1, "bracket": 2}
+MODE_SOFT, MODE_LOG, MODE_HARD = 0, 1, 2
+
+
+def has_cuda_kernels() -> bool:
+    """True when the extension was built with its CUDA sources."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("fastlapsum::lapsum_mask", "CUDA")
+
+
+# ---- fake kernels ------------------------------------------------------------------
+
+def _row_outputs(x):
+    rows = x.shape[0]
+    return x.new_empty((rows,), dtype=F64), x.new_empty((rows, 3), dtype=torch.int64)
+
+
+@torch.library.register_fake("fastlapsum::lapsum_threshold")
+def _(x, k, t, largest, method):
+    b, diag = _row_outputs(x)
+    return b, torch.empty_like(b), diag
+
+
+@torch.library.register_fake("fastlapsum::soft_topk_forward")
+def _(x, k, t, largest, method, mode):
+    b, diag = _row_outputs(x)
+    return torch.empty_like(x), b, diag
+
+
+@torch.library.register_fake("fastlapsum::lapsum_mask")
+def _(x, b, t, edge, largest, log_mode):
+    return torch.empty_like(x)
+
+
+def _grads_like(x, b):
+    return torch.empty_like(x), torch.empty_like(b), torch.empty_like(b)
+
+
+@torch.library.register_fake("fastlapsum::soft_topk_backward")
+def _(grad, x, b, t, largest, log_mode):
+    return _grads_like(x, b)
+
+
+@torch.library.register_fake("fastlapsum::lapsum_threshold_backward")
+def _(grad_b, x, b, t, largest):
+    return _grads_like(x, b)
+
+
+@torch.library.register_fake("fastlapsum::topk")
+def _(x, k, largest, sorted, lengths):
+    rows = x.shape[0]
+    return x.new_empty((rows, k)), x.new_empty((rows, k), dtype=torch.int64)
+
+
+# ---- autograd ----------------------------------------------------------------------
+
+def _setup_soft(ctx, inputs, output):
+    x, k, t, largest, method, mode = inputs
+    _, b, diag = output
+    ctx.save_for_backward(x, b, t)
+    ctx.largest = largest
+    ctx.log_mode = mode == MODE_LOG
+    ctx.mark_non_differentiable(b, diag)
+
+
+def _backward_soft(ctx, grad_p, grad_b, grad_diag):
+    x, b, t = ctx.saved_tensors
+    gx, gk, gt = ops.soft_topk_backward(grad_p, x, b, t, ctx.largest, ctx.log_mode)
+    return gx, gk, gt, None, None, None
+
+
+torch.library.register_autograd("fastlapsum::soft_topk_forward", _backward_soft, setup_context=_setup_soft)
+
+
+def _setup_threshold(ctx, inputs, output):
+    x, k, t, largest, method = inputs
+    b, edge, diag = output
+    ctx.save_for_backward(x, b, t)
+    ctx.largest = largest
+    ctx.mark_non_differentiable(edge, diag)
+
+
+def _backward_threshold(ctx, grad_b, grad_edge, grad_diag):
+    x, b, t = ctx.saved_tensors
+    gx, gk, gt = ops.lapsum_threshold_backward(grad_b, x, b, t, ctx.largest)
+    return gx, gk, gt, None, None
+
+
+torch.library.register_autograd("fastlapsum::lapsum_threshold", _backward_threshold, setup_context=_setup_threshold)
+
+
+def _setup_topk(ctx, inputs, output):
+    x = inputs[0]
+    ctx.x_shape = x.shape
+    ctx.save_for_backward(output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward_topk(ctx, grad_values, grad_indices):
+    (indices,) = ctx.saved_tensors
+    valid = indices >= 0
+    grad = grad_values.new_zeros(ctx.x_shape)
+    return grad.scatter_add(1, indices.clamp(min=0), torch.where(valid, grad_values, 0)), None, None, None, None
+
+
+torch.library.register_autograd("fastlapsum::topk", _backward_topk, setup_context=_setup_topk)
+
+
+# ---- CUDA kernels composed from PyTorch ops (until the native solvers land) -----------
+# The threshold on CUDA uses the float64 sort solver of reference.py (no host sync);
+# the mask and the VJPs are native kernels (csrc/*/…_cuda.cu).
+
+def _signed(x, largest):
+    s = x.to(F64)
+    return s if largest else -s
+
+
+@torch.library.register_kernel("fastlapsum::lapsum_threshold", "cuda")
+def _(x, k, t, largest, method):
+    b, edge = reference.lapsum_threshold_reference(_signed(x, largest), k, t)
+    rows, n = x.shape
+    path = torch.where(torch.isfinite(b), 1, 0).to(torch.int64)
+    middle = torch.full_like(path, n) * path
+    diag = torch.stack([path, middle, torch.zeros_like(path)], 1)
+    return (b if largest else -b), edge, diag
+
+
+@torch.library.register_kernel("fastlapsum::soft_topk_forward", "cuda")
+def _(x, k, t, largest, method, mode):
+    b, edge, diag = ops.lapsum_threshold(x, k, t, largest, method)
+    if mode == MODE_HARD:
+        p = _hard_mask_composite(x, k, largest).masked_fill(b.isnan()[:, None], float("nan"))
+    else:
+        p = ops.lapsum_mask(x, b, t, edge, largest, mode == MODE_LOG)
+    return p, b, diag
+
+
+def _order_desc(x, largest):
+    """Row-wise permutation: best first, NaN above +inf, smaller index first on ties."""
+    key = x.to(F64)
+    key = torch.where(key.isnan(), torch.full_like(key, float("inf")), key)
+    nan_first = x.isnan().to(torch.int8)
+    if not largest:
+        key = -key
+        nan_first = -nan_first
+    # stable sorts: secondary key first (value), then primary (NaN flag)
+    order = key.sort(1, descending=True, stable=True).indices
+    flag = nan_first.gather(1, order)
+    return order.gather(1, flag.sort(1, descending=True, stable=True).indices)
+
+
+def _hard_mask_composite(x, k, largest):
+    order = _order_desc(x, largest)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(x.shape[1], device=x.device).expand_as(order))
+    keep = rank < k.round()[:, None]
+    ok = (k == k.round()) & (k >= 0) & (k <= x.shape[1])
+    p = keep.to(x.dtype)
+    return torch.where(ok[:, None], p, torch.full_like(p, float("nan")))
+
+
+@torch.library.register_kernel("fastlapsum::topk", "cuda")
+def _(x, k, largest, sorted, lengths):
+    rows, n = x.shape
+    xm = x
+    if lengths is not None:
+        # invalid suffix: worst possible, and NaN there must not rank above valid scores
+        invalid = torch.arange(n, device=x.device)[None, :] >= lengths.to(torch.int64)[:, None]
+        xm = torch.where(invalid, torch.full_like(x, float("-inf") if largest else float("inf")), x)
+    order = _order_desc(xm, largest)
+    if lengths is not None:
+        # push invalid positions behind every valid one, keeping order otherwise
+        inv = invalid.gather(1, order).to(torch.int8)
+        order = order.gather(1, inv.sort(1, stable=True).indices)
+    idx = order[:, :k]
+    values = x.gather(1, idx)
+    if lengths is not None:
+        pad = torch.arange(k, device=x.device)[None, :] >= lengths.to(torch.int64)[:, None]
+        idx = torch.where(pad, -1, idx)
+        values = torch.where(pad, torch.full_like(values, float("-inf") if largest else float("inf")), values)
+    return values, idx
