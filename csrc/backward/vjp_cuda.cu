@@ -148,7 +148,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cuda(
   const at::Tensor g = grad_in.to(w.x.scalar_type()).contiguous();
   const int64_t rows = w.x.size(0), n = w.x.size(1);
   const double sign = largest ? 1.0 : -1.0;
-  const auto stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream();
   auto* partial = reinterpret_cast<VjpSums*>(w.partial.mutable_data_ptr());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.x.scalar_type(), "soft_topk_backward_cuda", [&] {
     vjp_reduce_kernel<scalar_t><<<w.grid, kThreads, 0, stream>>>(
@@ -173,7 +173,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cuda(
   const at::Tensor gb = grad_b_in.to(at::kDouble).contiguous();
   const int64_t rows = w.x.size(0), n = w.x.size(1);
   const double sign = largest ? 1.0 : -1.0;
-  const auto stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream();
   auto* partial = reinterpret_cast<VjpSums*>(w.partial.mutable_data_ptr());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.x.scalar_type(), "threshold_backward_cuda", [&] {
     vjp_reduce_kernel<scalar_t><<<w.grid, kThreads, 0, stream>>>(

@@ -1,10 +1,15 @@
 // Launch helpers for the CUDA kernels: grid shapes bounded independently of the data.
 #pragma once
 
-#include <ATen/cuda/CUDAContext.h>
+// c10 headers only: ATen/cuda/CUDAContext.h would pull in cuSPARSE/cuBLAS headers that a
+// minimal CUDA toolkit (CI) lacks.
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 namespace fastlapsum {
+
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 constexpr int kThreads = 256;
 

@@ -38,7 +38,7 @@ at::Tensor lapsum_mask_cuda(const at::Tensor& x_in, const at::Tensor& b_in, cons
   if (x.numel() == 0) return p;
   const dim3 grid = row_grid(rows, n, 4, 4096);
   const double sign = largest ? 1.0 : -1.0;
-  const auto stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "lapsum_mask_cuda", [&] {
     const auto args = std::make_tuple(x.const_data_ptr<scalar_t>(), b.const_data_ptr<double>(),
                                       t.const_data_ptr<double>(), edge.const_data_ptr<double>(),

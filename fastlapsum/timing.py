@@ -1,0 +1,41 @@
+"""Median wall time of a callable, with CUDA events on the GPU (used by the demo and
+benchmarks; timings are meaningful only as ratios within one run)."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def median_ms(fn: Callable[[], object], device: str | torch.device = "cpu", *, warmup: int = 2,
+              reps: int = 5) -> float:
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps(device: str | torch.device, nbytes: int = 1 << 30) -> float:
+    """Device read+write bandwidth from a large copy, in GB/s (for the byte floor)."""
+    n = nbytes // 4
+    a = torch.empty(n, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    ms = median_ms(lambda: b.copy_(a), device, warmup=2, reps=5)
+    return 2 * n * 4 / (ms * 1e-3) / 1e9
