@@ -17,7 +17,9 @@ all: build
 $(VENV)/.ready: requirements.txt requirements-torch.txt
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
 	  echo "using the torch already installed for $(PYTHON)"; \
-	  $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  $(PYTHON) -m venv --system-site-packages $(VENV) && \
+	  $(PYTHON) -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))" \
+	    > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/system-torch.pth"; \
 	else \
 	  $(PYTHON) -m venv $(VENV) && $(VENV)/bin/pip install -q -r requirements-torch.txt; \
 	fi

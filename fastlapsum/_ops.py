@@ -159,9 +159,9 @@ def _order_desc(x, largest):
         key = -key
         nan_first = -nan_first
     # stable sorts: secondary key first (value), then primary (NaN flag)
-    order = key.sort(1, descending=True, stable=True).indices
+    order = key.sort(dim=1, descending=True, stable=True).indices
     flag = nan_first.gather(1, order)
-    return order.gather(1, flag.sort(1, descending=True, stable=True).indices)
+    return order.gather(1, flag.sort(dim=1, descending=True, stable=True).indices)
 
 
 def _hard_mask_composite(x, k, largest):
@@ -185,7 +185,7 @@ def _(x, k, largest, sorted, lengths):
     if lengths is not None:
         # push invalid positions behind every valid one, keeping order otherwise
         inv = invalid.gather(1, order).to(torch.int8)
-        order = order.gather(1, inv.sort(1, stable=True).indices)
+        order = order.gather(1, inv.sort(dim=1, stable=True).indices)
     idx = order[:, :k]
     values = x.gather(1, idx)
     if lengths is not None:

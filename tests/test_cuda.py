@@ -1,0 +1,362 @@
+"""CUDA path: results equal the CPU kernels', CUDA-graph capture and replay, opcheck,
+torch.compile, fp64 gradcheck, and 64-bit indexing on a row of more than 2**31 scores.
+Runs only with a CUDA device and the CUDA build (conftest.requires_cuda)."""
+import math
+
+import pytest
+import torch
+
+import fastlapsum
+from fastlapsum import reference
+
+from conftest import BUDGET_TOL, CUDA, budget_error, requires_cuda
+from test_hard_topk import assert_exact_topk
+
+pytestmark = requires_cuda
+
+ops = torch.ops.fastlapsum
+F64 = torch.float64
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+# |p_cuda - p_cpu|: both hold b in fp64; the mask is rounded to x's dtype once
+P_TOL = {torch.float64: 1e-11, torch.float32: 3e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+G_TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def adversarial_rows(n=4096, seed=0):
+    """float64 [rows, n] on the CPU: the shapes that break selectors and solvers."""
+    g = gen(seed)
+    i = torch.arange(n, dtype=F64)
+    rows = [
+        torch.randn(n, generator=g, dtype=F64),
+        torch.randint(0, 5, (n,), generator=g).double(),  # ties everywhere
+        torch.full((n,), 0.25, dtype=F64),  # constant
+        i,  # sorted ascending
+        i.flip(0),  # sorted descending
+        (i % 64),  # period 64
+        torch.where(i % 128 == 5, 10.0 + i / n, 0.0),  # one phase of period 128 holds the top
+        1e4 + 1e-2 * torch.randn(n, generator=g, dtype=F64),  # |b| >> t
+        1e-3 * torch.randn(n, generator=g, dtype=F64),  # all within t of each other
+        torch.where(torch.rand(n, generator=g, dtype=F64) < 0.002, torch.randn(n, generator=g, dtype=F64),
+                    torch.tensor(-math.inf, dtype=F64)),  # -inf but for a few
+    ]
+    r = torch.randn(n, generator=g, dtype=F64)
+    r[[3, n // 4, n // 2]] = math.inf
+    rows.append(r)
+    return torch.stack(rows)
+
+
+def budgets(rows, n):
+    base = torch.tensor([1.0, 2.5, n / 16, n / 2 + 0.25, n - 1.5, 7.0, 31.0, 100.0, n / 3, 5.0, 2.0], dtype=F64)
+    return base.repeat(rows // len(base) + 1)[:rows]
+
+
+def to(x, dtype, device):
+    return x.to(dtype).to(device)
+
+
+# ---- CUDA == CPU -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("largest", [True, False])
+def test_soft_matches_cpu(dtype, largest):
+    xs = [adversarial_rows(4096, seed=1), torch.randn(16, 30000, generator=gen(2), dtype=F64)]
+    for x64 in xs:
+        rows, n = x64.shape
+        k = budgets(rows, n)
+        t = torch.linspace(0.05, 3.0, rows, dtype=F64)
+        xc, xg = to(x64, dtype, "cpu"), to(x64, dtype, "cuda")
+        for method in ("auto", "sort", "bracket"):
+            pc = fastlapsum.soft_topk(xc, k, t, largest=largest, method=method)
+            pg = fastlapsum.soft_topk(xg, k.cuda(), t.cuda(), largest=largest, method=method)
+            assert pg.dtype == dtype and pg.device.type == "cuda"
+            torch.testing.assert_close(pg.cpu().double(), pc.double(), rtol=0, atol=P_TOL[dtype])
+            assert budget_error(pg, k.cuda()) <= BUDGET_TOL[dtype]
+        lc = fastlapsum.log_soft_topk(xc, k, t, largest=largest)
+        lg = fastlapsum.log_soft_topk(xg, k.cuda(), t.cuda(), largest=largest)
+        torch.testing.assert_close(lg.cpu().double().exp(), lc.double().exp(), rtol=10 * P_TOL[dtype], atol=P_TOL[dtype])
+        bc = fastlapsum.lapsum_threshold(xc, k, t, largest=largest)
+        bg = fastlapsum.lapsum_threshold(xg, k.cuda(), t.cuda(), largest=largest)
+        torch.testing.assert_close(bg.cpu(), bc, rtol=1e-9, atol=1e-9 * t.max().item())
+        kh = k.round()
+        hc = fastlapsum.soft_topk(xc, kh, t, largest=largest, hard=True)
+        hg = fastlapsum.soft_topk(xg, kh.cuda(), t.cuda(), largest=largest, hard=True)
+        assert torch.equal(hg.cpu(), hc), "hard masks differ (ties: the smaller index wins on both)"
+        assert hg.double().sum(1).cpu().tolist() == kh.tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_rows_match_cpu(dtype):
+    x = adversarial_rows(512, seed=3)
+    x[2, 17] = math.nan
+    x[5] = math.nan
+    k, t = budgets(x.shape[0], 512), torch.full((x.shape[0],), 0.5, dtype=F64)
+    ok = [r for r in range(x.shape[0]) if r not in (2, 5)]
+    for hard in (False, True):
+        kk = k.round() if hard else k
+        pc = fastlapsum.soft_topk(to(x, dtype, "cpu"), kk, t, hard=hard)
+        pg = fastlapsum.soft_topk(to(x, dtype, "cuda"), kk.cuda(), t.cuda(), hard=hard).cpu()
+        assert bool(pg[[2, 5]].isnan().all())
+        torch.testing.assert_close(pg[ok].double(), pc[ok].double(), rtol=0, atol=0 if hard else P_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("largest", [True, False])
+def test_backward_matches_cpu(dtype, largest):
+    x64 = torch.cat([adversarial_rows(2048, seed=4)[:9], torch.randn(4, 2048, generator=gen(5), dtype=F64)])
+    rows, n = x64.shape
+    k0, t0 = budgets(rows, n), torch.linspace(0.1, 2.0, rows, dtype=F64)
+    w64 = torch.randn(rows, n, generator=gen(6), dtype=F64)
+    grads = {}
+    for dev in ("cpu", "cuda"):
+        x = to(x64, dtype, dev).requires_grad_()
+        k, t = k0.to(dev).requires_grad_(), t0.to(dev).requires_grad_()
+        w = to(w64, dtype, dev)
+        loss = ((fastlapsum.soft_topk(x, k, t, largest=largest) * w).double().sum()
+                + (fastlapsum.soft_topk(x, k.detach().round(), t, largest=largest, hard=True) * w).double().sum()
+                + fastlapsum.lapsum_threshold(x, k, t, largest=largest).sum())
+        lp = fastlapsum.log_soft_topk(x, k, t, largest=largest)
+        loss = loss + (torch.where(torch.isfinite(lp), lp, 0) * w).double().sum() * 1e-3
+        grads[dev] = [g.cpu().double() for g in torch.autograd.grad(loss, (x, k, t))]
+    for gc, gg in zip(grads["cpu"], grads["cuda"]):
+        assert bool(torch.isfinite(gg).all())
+        scale = gc.abs().max().clamp(min=1e-30)
+        torch.testing.assert_close(gg / scale, gc / scale, rtol=0, atol=G_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("largest", [True, False])
+def test_topk_matches_cpu(dtype, largest):
+    x64 = torch.cat([adversarial_rows(8192, seed=7), torch.randn(8, 8192, generator=gen(8), dtype=F64)])
+    x64[0, [10, 20]] = math.nan
+    rows, n = x64.shape
+    lengths = torch.tensor([0, 1, 2047, 2048, 2049, 4096, 8192, 100, 8191, 5000, 3000, 17, 8192, 0, 4000, 6000,
+                            7000, 2048, 8192])[:rows]
+    for r, l in enumerate(lengths.tolist()):  # garbage past L_r
+        x64[r, l:] = math.inf if largest else -math.inf
+    xc, xg = to(x64, dtype, "cpu"), to(x64, dtype, "cuda")
+    for k in (1, 64, 2048):
+        for lens in (None, lengths):
+            vg, ig = fastlapsum.topk(xg, k, largest=largest, sorted=True,
+                                     lengths=None if lens is None else lens.cuda())
+            vc, ic = fastlapsum.topk(xc, k, largest=largest, sorted=True, lengths=lens)
+            assert_exact_topk(xg, k, vg, ig, largest=largest, lengths=lens, sorted=True)
+            torch.testing.assert_close(vg.cpu(), vc, rtol=0, atol=0, equal_nan=True)
+            vu, iu = fastlapsum.topk(xg, k, largest=largest, lengths=None if lens is None else lens.cuda())
+            assert_exact_topk(xg, k, vu, iu, largest=largest, lengths=lens)
+
+
+@pytest.mark.parametrize("shape,k", [((64, 131072), 2048), ((2, 1 << 20), 2048), ((1, 1 << 24), 1 << 20)])
+def test_topk_large_shapes(shape, k):
+    """The execution mappings of DESIGN §2: many long rows, few long rows, one huge row."""
+    x = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(9))
+    lengths = torch.linspace(0, shape[1], shape[0]).round().to(torch.int64).cuda() if shape[0] > 1 else None
+    v, i = fastlapsum.topk(x, k, lengths=lengths)
+    assert_exact_topk(x, k, v, i, lengths=lengths)
+    vs, _ = fastlapsum.topk(x, k, sorted=True)
+    torch.testing.assert_close(vs, torch.topk(x, k).values, rtol=0, atol=0)
+
+
+# ---- CUDA graphs -------------------------------------------------------------------------
+
+def _capture(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_soft_topk(dtype):
+    rows, n = 8, 5000
+    g = gen(10)
+    x = torch.randn(rows, n, generator=g).to(dtype).cuda().requires_grad_()
+    k = torch.linspace(1, n / 2, rows, dtype=F64).cuda().requires_grad_()
+    t = torch.linspace(0.1, 2, rows).cuda().requires_grad_()
+    w = torch.randn(rows, n, generator=g).to(dtype).cuda()
+    kh = torch.full((rows,), 64.0, device="cuda")
+
+    def step():
+        p = fastlapsum.soft_topk(x, k, t)
+        lp = fastlapsum.log_soft_topk(x, 3.0, 0.5, largest=False)
+        h = fastlapsum.soft_topk(x, kh, t, hard=True)
+        b = fastlapsum.lapsum_threshold(x, k, t)
+        loss = (p * w).float().sum() + (h * w).float().sum() + b.sum() + (lp.clamp(min=-30) * w).float().sum()
+        gx, gk, gt = torch.autograd.grad(loss, (x, k, t))
+        return p.detach(), lp.detach(), h.detach(), b.detach(), gx, gk, gt
+
+    graph, static_out = _capture(step)
+    for seed in (11, 12):
+        g = gen(seed)
+        with torch.no_grad():
+            x.copy_(torch.randn(rows, n, generator=g).to(dtype))
+            k.copy_(torch.rand(rows, generator=g, dtype=F64) * n)
+            t.copy_(torch.rand(rows, generator=g) + 0.05)
+            w.copy_(torch.randn(rows, n, generator=g).to(dtype))
+            kh.copy_(torch.randint(0, n + 1, (rows,), generator=g).float())
+        graph.replay()
+        torch.cuda.synchronize()
+        want = step()
+        names = ("p", "log p", "hard", "b", "grad x", "grad k", "grad t")
+        for name, a, b in zip(names, static_out, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert budget_error(static_out[0], k.detach()) <= BUDGET_TOL[dtype]
+        assert static_out[2].double().sum(1).tolist() == kh.double().tolist()
+
+
+def test_cuda_graph_topk_lengths():
+    rows, n, k = 16, 20000, 512
+    x = torch.randn(rows, n, device="cuda")
+    lengths = torch.full((rows,), n, dtype=torch.int64, device="cuda")
+
+    def step():
+        return fastlapsum.topk(x, k, lengths=lengths, sorted=True) + fastlapsum.topk(x, k, largest=False,
+                                                                                        lengths=lengths)
+
+    graph, static_out = _capture(step)
+    for seed in (13, 14):
+        g = gen(seed)
+        x.copy_(torch.randn(rows, n, generator=g))
+        new_len = torch.randint(0, n + 1, (rows,), generator=g)
+        new_len[:4] = torch.tensor([0, k - 1, k, k + 1])
+        lengths.copy_(new_len)
+        graph.replay()
+        torch.cuda.synchronize()
+        v, i, vs, is_ = static_out
+        assert_exact_topk(x, k, v, i, lengths=lengths, sorted=True)
+        assert_exact_topk(x, k, vs, is_, largest=False, lengths=lengths)
+        want = fastlapsum.topk(x, k, lengths=lengths, sorted=True)
+        torch.testing.assert_close(v, want[0], rtol=0, atol=0)
+        assert torch.equal(i, want[1])
+
+
+# ---- opcheck, compile, gradcheck on CUDA ---------------------------------------------------
+
+def test_opcheck_cuda():
+    g = gen(15)
+    x = torch.randn(6, 300, generator=g, dtype=F64).cuda().requires_grad_()
+    k = torch.tensor([1.0, 2.5, 30.0, 150.0, 299.0, 7.0], dtype=F64, device="cuda", requires_grad=True)
+    t = torch.tensor([0.1, 0.5, 1.0, 2.0, 5.0, 0.3], dtype=F64, device="cuda", requires_grad=True)
+    for largest in (True, False):
+        torch.library.opcheck(ops.lapsum_threshold, (x, k, t, largest, 0))
+        for mode in (0, 1):
+            torch.library.opcheck(ops.soft_topk_forward, (x, k, t, largest, 0, mode))
+        torch.library.opcheck(ops.soft_topk_forward, (x, k.detach().round(), t, largest, 0, 2))
+        torch.library.opcheck(ops.topk, (x, 20, largest, False, torch.tensor([0, 5, 20, 21, 299, 300], device="cuda")))
+        torch.library.opcheck(ops.topk, (x.float(), 20, largest, True, None))
+        xd, kd, td = x.detach(), k.detach(), t.detach()
+        b, edge, _ = ops.lapsum_threshold(xd, kd, td, largest, 0)
+        for log_mode in (False, True):
+            torch.library.opcheck(ops.lapsum_mask, (xd, b, td, edge, largest, log_mode))
+            torch.library.opcheck(ops.soft_topk_backward, (torch.randn_like(xd), xd, b, td, largest, log_mode))
+        torch.library.opcheck(ops.lapsum_threshold_backward, (torch.randn_like(b), xd, b, td, largest))
+
+
+def test_compile_cuda():
+    """fullgraph compile (default and reduce-overhead, i.e. CUDA graphs) equals eager."""
+    def f(x, k, t, lengths):
+        p = fastlapsum.soft_topk(x, k, t)
+        h = fastlapsum.soft_topk(x, 16, 0.5, hard=True)
+        v, i = fastlapsum.topk(x, 16, lengths=lengths, sorted=True)
+        w = torch.linspace(-1, 1, x.shape[-1], device=x.device, dtype=x.dtype)
+        loss = (p * w).sum() + (h * w).sum() + v.clamp(min=-1e4).sum() + fastlapsum.lapsum_threshold(x, k, t).sum()
+        return p, h, v, i, loss
+
+    g = gen(16)
+    x0 = torch.randn(8, 1000, generator=g).cuda()
+    k = torch.linspace(1, 500, 8, dtype=F64, device="cuda")
+    t = torch.linspace(0.1, 2, 8, device="cuda")
+    lengths = torch.tensor([0, 1, 15, 16, 17, 500, 999, 1000], device="cuda")
+    for mode in ("default", "reduce-overhead"):
+        torch._dynamo.reset()
+        cf = torch.compile(f, fullgraph=True, mode=mode)
+        for it in range(3):
+            x = (x0 + it).requires_grad_()
+            got = cf(x, k, t, lengths)
+            (gx,) = torch.autograd.grad(got[-1], (x,))
+            xe = (x0 + it).requires_grad_()
+            want = f(xe, k, t, lengths)
+            (gxe,) = torch.autograd.grad(want[-1], (xe,))
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(gx, gxe, rtol=1e-5, atol=1e-7)
+
+
+def test_gradcheck_cuda_fp64():
+    g = gen(17)
+    x = torch.randn(3, 16, generator=g, dtype=F64).cuda().requires_grad_()
+    k = torch.tensor([1.0, 3.5, 12.0], dtype=F64, device="cuda", requires_grad=True)
+    t = torch.tensor([0.3, 1.0, 2.5], dtype=F64, device="cuda", requires_grad=True)
+    for largest in (True, False):
+        torch.autograd.gradcheck(lambda a, b, c: fastlapsum.soft_topk(a, b, c, largest=largest), (x, k, t))
+        torch.autograd.gradcheck(lambda a, b, c: fastlapsum.log_soft_topk(a, b, c, largest=largest), (x, k, t))
+        torch.autograd.gradcheck(lambda a, b, c: fastlapsum.lapsum_threshold(a, b, c, largest=largest), (x, k, t))
+        torch.autograd.gradcheck(lambda a: fastlapsum.topk(a, 5, largest=largest)[0], (x,))
+    x3 = torch.randn(4, 10, 3, generator=g, dtype=F64).cuda().requires_grad_()
+    torch.autograd.gradcheck(lambda a: fastlapsum.soft_topk(a, 2.5, 0.7, dim=1), (x3,))
+
+
+# ---- 64-bit indexing ------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_row_longer_than_2_pow_31():
+    """One fp16 row of 2**31 + 5 scores through the native mask and backward kernels
+    (the threshold is given: the composite CUDA solver would need a row-sized fp64 sort).
+    Elements past 2**31 and the row reductions must be right: 32-bit indexing would
+    wrap onto the front of the row or drop the tail."""
+    n = 2**31 + 5
+    free, _ = torch.cuda.mem_get_info()
+    if free < 24 * 2**30:
+        pytest.skip(f"needs ~24 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    x = torch.empty(1, n, dtype=torch.float16, device="cuda")
+    x.normal_(generator=torch.Generator("cuda").manual_seed(18))
+    # mark both ends so a wrapped index shows
+    x[0, :8] = -3.0
+    x[0, -8:] = torch.tensor([4.0, 3.5, 3.0, 2.5, 2.0, 1.5, 1.0, 0.5], dtype=torch.float16)
+    b = torch.tensor([1.25], dtype=F64, device="cuda")
+    t = torch.tensor([0.75], dtype=F64, device="cuda")
+    edge = torch.ones(1, dtype=F64, device="cuda")
+
+    def mask_ref(seg):
+        u = (seg.double() - 1.25) / 0.75
+        return torch.where(u <= 0, 0.5 * torch.exp(u.clamp(max=0)), 1 - 0.5 * torch.exp(-u.clamp(min=0)))
+
+    chunk = 1 << 28
+    p = ops.lapsum_mask(x, b, t, edge, True, False)
+    assert p.shape == (1, n) and p.dtype == torch.float16
+    for sl in (slice(0, 4096), slice(2**31 - 4096, 2**31 + 5)):
+        torch.testing.assert_close(p[0, sl].double(), mask_ref(x[0, sl]), rtol=0, atol=1e-3)
+    total = sum(p[0, s:s + chunk].double().sum().item() for s in range(0, n, chunk))
+    want = sum(mask_ref(x[0, s:s + chunk]).sum().item() for s in range(0, n, chunk))
+    assert abs(total - want) <= 1e-3 * n ** 0.5 + 1e-4 * want
+    del p
+
+    # backward with g = x (no second row-sized input): closed form of DESIGN §1.3 in chunks
+    gx, gk, gt = ops.soft_topk_backward(x, x, b, t, True, False)
+    W = gw = wd = gwd = 0.0
+    for s in range(0, n, chunk):
+        seg = x[0, s:s + chunk].double()
+        d = seg - 1.25
+        w = torch.exp(-d.abs() / 0.75) / 1.5
+        W += w.sum().item()
+        gw += (seg * w).sum().item()
+        wd += (w * d).sum().item()
+        gwd += (seg * w * d).sum().item()
+        del seg, d, w
+    ratio, rbar = gw / W, wd / W
+    gt_ref = -(gwd - gw * rbar) / 0.75
+    assert abs(gk.item() - ratio) <= 1e-6 * max(1.0, abs(ratio)), (gk.item(), ratio)
+    assert abs(gt.item() - gt_ref) <= 1e-5 * max(1.0, abs(gt_ref)), (gt.item(), gt_ref)
+    for sl in (slice(0, 4096), slice(2**31 - 4096, 2**31 + 5)):
+        seg = x[0, sl].double()
+        w = torch.exp(-(seg - 1.25).abs() / 0.75) / 1.5
+        torch.testing.assert_close(gx[0, sl].double(), w * (seg - ratio), rtol=2e-3, atol=1e-4)
