@@ -9,6 +9,7 @@
 #include "../common/cpu_rows.h"
 #include "../common/vjp_math.h"
 #include "../ops.h"
+#include "backward_io.h"
 
 namespace fastlapsum {
 namespace {
@@ -30,26 +31,14 @@ VjpSums row_sums(const Row<scalar_t>& row, double b, double t, const GW& gw) {
   return tot;
 }
 
-void check_backward_inputs(const at::Tensor& x, const at::Tensor& b, const at::Tensor& t) {
-  TORCH_CHECK(x.dim() == 2, "fastlapsum: expected x of shape [rows, n]");
-  TORCH_CHECK(b.scalar_type() == at::kDouble && t.scalar_type() == at::kDouble,
-              "fastlapsum: b and t must be float64");
-  TORCH_CHECK(b.numel() == x.size(0) && t.numel() == x.size(0),
-              "fastlapsum: b and t need one value per row");
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cpu(
     const at::Tensor& grad_in, const at::Tensor& x_in, const at::Tensor& b_in,
     const at::Tensor& t_in, bool largest, bool log_mode) {
-  check_backward_inputs(x_in, b_in, t_in);
-  const at::Tensor x = x_in.contiguous(), g = grad_in.to(x_in.scalar_type()).contiguous(),
-                   b = b_in.contiguous(), t = t_in.contiguous();
+  auto [x, b, t, gx, gk, gt] = backward_io(x_in, b_in, t_in);
+  const at::Tensor g = grad_in.to(x.scalar_type()).contiguous();
   const int64_t rows = x.size(0), n = x.size(1);
-  at::Tensor gx = at::empty_like(x);
-  at::Tensor gk = at::empty({rows}, b.options());
-  at::Tensor gt = at::empty({rows}, b.options());
   const double sign = largest ? 1.0 : -1.0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "soft_topk_backward", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
@@ -88,13 +77,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cpu(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cpu(
     const at::Tensor& grad_b_in, const at::Tensor& x_in, const at::Tensor& b_in,
     const at::Tensor& t_in, bool largest) {
-  check_backward_inputs(x_in, b_in, t_in);
-  const at::Tensor x = x_in.contiguous(), gb = grad_b_in.to(at::kDouble).contiguous(),
-                   b = b_in.contiguous(), t = t_in.contiguous();
+  auto [x, b, t, gx, gk, gt] = backward_io(x_in, b_in, t_in);
+  const at::Tensor gb = grad_b_in.to(at::kDouble).contiguous();
   const int64_t rows = x.size(0), n = x.size(1);
-  at::Tensor gx = at::empty_like(x);
-  at::Tensor gk = at::empty({rows}, b.options());
-  at::Tensor gt = at::empty({rows}, b.options());
   const double sign = largest ? 1.0 : -1.0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "threshold_backward", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();

@@ -9,6 +9,7 @@
 #include "../common/cuda_launch.cuh"
 #include "../common/vjp_math.h"
 #include "../ops.h"
+#include "backward_io.h"
 
 namespace fastlapsum {
 namespace {
@@ -114,27 +115,9 @@ __global__ void threshold_vjp_apply_kernel(const double* __restrict__ grad_b, co
   }
 }
 
-struct BackwardBuffers {
-  at::Tensor x, b, t, gx, gk, gt, partial;
-  dim3 grid;
-};
-
-BackwardBuffers prepare(const at::Tensor& x_in, const at::Tensor& b_in, const at::Tensor& t_in) {
-  TORCH_CHECK(x_in.dim() == 2, "fastlapsum: expected x of shape [rows, n]");
-  TORCH_CHECK(b_in.scalar_type() == at::kDouble && t_in.scalar_type() == at::kDouble,
-              "fastlapsum: b and t must be float64");
-  BackwardBuffers w;
-  w.x = x_in.contiguous();
-  w.b = b_in.contiguous();
-  w.t = t_in.contiguous();
-  const int64_t rows = w.x.size(0), n = w.x.size(1);
-  w.grid = row_grid(rows, n, 8, kMaxChunks);
-  w.gx = at::empty_like(w.x);
-  w.gk = at::empty({rows}, w.b.options());
-  w.gt = at::empty({rows}, w.b.options());
-  // workspace from the caching allocator: [rows, chunks] partial sums
-  w.partial = at::empty({rows * int64_t(w.grid.x) * int64_t(sizeof(VjpSums))}, w.x.options().dtype(at::kByte));
-  return w;
+// [rows, chunks] partial sums: a workspace from the caching allocator
+at::Tensor partial_workspace(const at::Tensor& x, const dim3& grid) {
+  return at::empty({x.size(0) * int64_t(grid.x) * int64_t(sizeof(VjpSums))}, x.options().dtype(at::kByte));
 }
 
 }  // namespace
@@ -143,19 +126,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cuda(
     const at::Tensor& grad_in, const at::Tensor& x_in, const at::Tensor& b_in,
     const at::Tensor& t_in, bool largest, bool log_mode) {
   const c10::cuda::CUDAGuard guard(x_in.device());
-  BackwardBuffers w = prepare(x_in, b_in, t_in);
-  if (w.x.numel() == 0) return {w.gx, w.gk.zero_(), w.gt.zero_()};
+  BackwardIO w = backward_io(x_in, b_in, t_in);
+  if (w.x.numel() == 0) return {w.gx, w.gk, w.gt};
+  const dim3 grid = row_grid(w.x.size(0), w.x.size(1), 8, kMaxChunks);
+  const at::Tensor ws = partial_workspace(w.x, grid);
   const at::Tensor g = grad_in.to(w.x.scalar_type()).contiguous();
   const int64_t rows = w.x.size(0), n = w.x.size(1);
   const double sign = largest ? 1.0 : -1.0;
   const cudaStream_t stream = current_stream();
-  auto* partial = reinterpret_cast<VjpSums*>(w.partial.mutable_data_ptr());
+  auto* partial = reinterpret_cast<VjpSums*>(ws.mutable_data_ptr());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.x.scalar_type(), "soft_topk_backward_cuda", [&] {
-    vjp_reduce_kernel<scalar_t><<<w.grid, kThreads, 0, stream>>>(
+    vjp_reduce_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
         g.const_data_ptr<scalar_t>(), w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
         w.t.const_data_ptr<double>(), partial, rows, n, sign, log_mode);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    mask_vjp_apply_kernel<scalar_t><<<w.grid, kThreads, 0, stream>>>(
+    mask_vjp_apply_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
         g.const_data_ptr<scalar_t>(), w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
         w.t.const_data_ptr<double>(), partial, w.gx.mutable_data_ptr<scalar_t>(),
         w.gk.mutable_data_ptr<double>(), w.gt.mutable_data_ptr<double>(), rows, n, sign, log_mode);
@@ -168,19 +153,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cuda(
     const at::Tensor& grad_b_in, const at::Tensor& x_in, const at::Tensor& b_in,
     const at::Tensor& t_in, bool largest) {
   const c10::cuda::CUDAGuard guard(x_in.device());
-  BackwardBuffers w = prepare(x_in, b_in, t_in);
-  if (w.x.numel() == 0) return {w.gx, w.gk.zero_(), w.gt.zero_()};
+  BackwardIO w = backward_io(x_in, b_in, t_in);
+  if (w.x.numel() == 0) return {w.gx, w.gk, w.gt};
+  const dim3 grid = row_grid(w.x.size(0), w.x.size(1), 8, kMaxChunks);
+  const at::Tensor ws = partial_workspace(w.x, grid);
   const at::Tensor gb = grad_b_in.to(at::kDouble).contiguous();
   const int64_t rows = w.x.size(0), n = w.x.size(1);
   const double sign = largest ? 1.0 : -1.0;
   const cudaStream_t stream = current_stream();
-  auto* partial = reinterpret_cast<VjpSums*>(w.partial.mutable_data_ptr());
+  auto* partial = reinterpret_cast<VjpSums*>(ws.mutable_data_ptr());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.x.scalar_type(), "threshold_backward_cuda", [&] {
-    vjp_reduce_kernel<scalar_t><<<w.grid, kThreads, 0, stream>>>(
+    vjp_reduce_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
         nullptr, w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
         w.t.const_data_ptr<double>(), partial, rows, n, sign, false);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    threshold_vjp_apply_kernel<scalar_t><<<w.grid, kThreads, 0, stream>>>(
+    threshold_vjp_apply_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
         gb.const_data_ptr<double>(), w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
         w.t.const_data_ptr<double>(), partial, w.gx.mutable_data_ptr<scalar_t>(),
         w.gk.mutable_data_ptr<double>(), w.gt.mutable_data_ptr<double>(), rows, n, sign);
