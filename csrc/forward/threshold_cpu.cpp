@@ -22,7 +22,9 @@
 namespace fastlapsum {
 namespace {
 
-constexpr int64_t kAutoBracketMinN = 1 << 14;  // measured crossover, see benchmarks/
+// Measured crossover (benchmarks/bench_auto_crossover.py, results/auto_crossover_cpu.txt):
+// the bracket wins by ~2x from 4096 scores on, the sort below 2048.
+constexpr int64_t kAutoBracketMinN = 4096;
 
 struct RowSolution {
   double b;
