@@ -8,6 +8,8 @@ PY := $(VENV)/bin/python
 MAX_JOBS ?= 2
 export MAX_JOBS
 PYTEST_ARGS ?= -m "not slow"
+# compiled-graph caches per checkout: a cache shared across versions can replay stale fake kernels
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/inductor-cache
 
 .PHONY: all venv build test test-all demo bench clean
 

@@ -39,6 +39,10 @@ std::tuple<at::Tensor, at::Tensor> topk_cpu(const at::Tensor& x, int64_t k, bool
 
 // ---- CUDA ------------------------------------------------------------------------
 #ifdef FASTLAPSUM_WITH_CUDA
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cuda(const at::Tensor& x,
+                                                                     const at::Tensor& k,
+                                                                     const at::Tensor& t,
+                                                                     bool largest, int64_t method);
 at::Tensor lapsum_mask_cuda(const at::Tensor& x, const at::Tensor& b, const at::Tensor& t,
                             const at::Tensor& edge, bool largest, bool log_mode);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cuda(

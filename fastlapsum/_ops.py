@@ -36,19 +36,24 @@ def _(x, k, t, largest, method):
     return b, torch.empty_like(b), diag
 
 
+def _like_rows(x):
+    """The kernels return contiguous [rows, n] tensors whatever x's strides."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 @torch.library.register_fake("fastlapsum::soft_topk_forward")
 def _(x, k, t, largest, method, mode):
     b, diag = _row_outputs(x)
-    return torch.empty_like(x), b, diag
+    return _like_rows(x), b, diag
 
 
 @torch.library.register_fake("fastlapsum::lapsum_mask")
 def _(x, b, t, edge, largest, log_mode):
-    return torch.empty_like(x)
+    return _like_rows(x)
 
 
 def _grads_like(x, b):
-    return torch.empty_like(x), torch.empty_like(b), torch.empty_like(b)
+    return _like_rows(x), torch.empty_like(b), torch.empty_like(b)
 
 
 @torch.library.register_fake("fastlapsum::soft_topk_backward")
@@ -121,24 +126,9 @@ def _backward_topk(ctx, grad_values, grad_indices):
 torch.library.register_autograd("fastlapsum::topk", _backward_topk, setup_context=_setup_topk)
 
 
-# ---- CUDA kernels composed from PyTorch ops (until the native solvers land) -----------
-# The threshold on CUDA uses the float64 sort solver of reference.py (no host sync);
-# the mask and the VJPs are native kernels (csrc/*/…_cuda.cu).
-
-def _signed(x, largest):
-    s = x.to(F64)
-    return s if largest else -s
-
-
-@torch.library.register_kernel("fastlapsum::lapsum_threshold", "cuda")
-def _(x, k, t, largest, method):
-    b, edge = reference.lapsum_threshold_reference(_signed(x, largest), k, t)
-    rows, n = x.shape
-    path = torch.where(torch.isfinite(b), 1, 0).to(torch.int64)
-    middle = torch.full_like(path, n) * path
-    diag = torch.stack([path, middle, torch.zeros_like(path)], 1)
-    return (b if largest else -b), edge, diag
-
+# ---- CUDA kernels composed from PyTorch ops (until the native selectors land) --------
+# On CUDA the threshold, the mask and the VJPs are native kernels (csrc/*/*_cuda.cu);
+# the hard selections below (straight-through mask, topk) use a stable sort for now.
 
 @torch.library.register_kernel("fastlapsum::soft_topk_forward", "cuda")
 def _(x, k, t, largest, method, mode):
@@ -186,7 +176,7 @@ def _(x, k, largest, sorted, lengths):
         # push invalid positions behind every valid one, keeping order otherwise
         inv = invalid.gather(1, order).to(torch.int8)
         order = order.gather(1, inv.sort(dim=1, stable=True).indices)
-    idx = order[:, :k]
+    idx = order[:, :k].contiguous()
     values = x.gather(1, idx)
     if lengths is not None:
         pad = torch.arange(k, device=x.device)[None, :] >= lengths.to(torch.int64)[:, None]

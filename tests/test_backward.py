@@ -28,6 +28,13 @@ def separated_scores(rows, n, seed, spacing=0.7, device="cpu"):
     return torch.stack(out).to(device)
 
 
+def assert_grads_close(got, want, rtol, atol_rel):
+    """Each pair of (x, k, t) gradients close: rtol, plus atol relative to the largest."""
+    for a, b, name in zip(got, want, ("x", "k", "t")):
+        atol = atol_rel * b.abs().max().item()
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
 def grads(fn, inputs, g):
     """autograd grads of <g, fn(*inputs)> w.r.t. inputs that require grad."""
     out = fn(*inputs)
@@ -162,8 +169,7 @@ def test_vjp_matches_autograd_of_implicit_torch(device, largest):
     got = grads(lambda x, k, t: fl.soft_topk(x, k, t, largest=largest), (xr, kr, tr), up)
     xe, ke, te = (v.clone().requires_grad_(True) for v in (x, k, t))
     want = grads(lambda x, k, t: implicit_torch_soft_topk(x, k, t, largest), (xe, ke, te), up)
-    for a, b, name in zip(got, want, ("x", "k", "t")):
-        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11 * b.abs().max().item(), msg=lambda m, name=name: f"grad {name}: {m}")
+    assert_grads_close(got, want, rtol=1e-8, atol_rel=1e-11)
 
 
 @pytest.mark.parametrize("largest", [True, False])
@@ -174,8 +180,7 @@ def test_threshold_vjp_matches_autograd_of_implicit_torch(device, largest):
     got = grads(lambda x, k, t: fl.lapsum_threshold(x, k, t, largest=largest), (xr, kr, tr), gb)
     xe, ke, te = (v.clone().requires_grad_(True) for v in (x, k, t))
     want = grads(lambda x, k, t: implicit_torch_threshold(x, k, t, largest), (xe, ke, te), gb)
-    for a, b, name in zip(got, want, ("x", "k", "t")):
-        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-11 * b.abs().max().item(), msg=lambda m, name=name: f"grad {name}: {m}")
+    assert_grads_close(got, want, rtol=1e-8, atol_rel=1e-11)
     # db/dk = -1/W < 0 for largest (a bigger budget lowers the threshold), > 0 otherwise
     gk1 = torch.autograd.grad(fl.lapsum_threshold(x, kr, t, largest=largest).sum(), kr)[0]
     assert ((gk1 < 0) if largest else (gk1 > 0)).all()
@@ -195,8 +200,7 @@ def test_log_vjp_matches_reference(device):
     # and autograd through the implicit formulation of log p
     xe, ke, te = (v.clone().requires_grad_(True) for v in (x, k, t))
     want = grads(lambda x, k, t: torch.log(implicit_torch_soft_topk(x, k, t)), (xe, ke, te), up)
-    for a, w in zip(got, want):
-        torch.testing.assert_close(a, w, rtol=1e-8, atol=1e-11 * w.abs().max().item())
+    assert_grads_close(got, want, rtol=1e-8, atol_rel=1e-11)
 
 
 def log_laplace_cdf(u):
@@ -225,8 +229,7 @@ def test_log_vjp_where_p_underflows(device):
 
     want = torch.autograd.grad(log_mask(xe, ke, te), (xe, ke, te), g)
     assert want[0][0, 3] == pytest.approx(1.0)  # the element's own 1/t term
-    for a, w, name in zip(got, want, ("x", "k", "t")):
-        torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"grad {name}: {m}")
+    assert_grads_close(got, want, rtol=1e-10, atol_rel=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -8,7 +8,7 @@ import torch
 import fastlapsum
 from fastlapsum import reference
 
-from conftest import CUDA, BUDGET_TOL, budget_error, requires_cuda
+from conftest import BUDGET_TOL, budget_error, requires_cuda
 
 ops = torch.ops.fastlapsum
 SOFT_FUNCS = {

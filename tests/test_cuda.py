@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import fastlapsum
-from fastlapsum import reference
 
-from conftest import BUDGET_TOL, CUDA, budget_error, requires_cuda
+from conftest import BUDGET_TOL, budget_error, requires_cuda
 from test_hard_topk import assert_exact_topk
 
 pytestmark = requires_cuda
@@ -207,8 +206,9 @@ def test_cuda_graph_soft_topk(dtype):
         torch.cuda.synchronize()
         want = step()
         names = ("p", "log p", "hard", "b", "grad x", "grad k", "grad t")
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # reductions may reassociate; bf16 ulp is 2**-8
         for name, a, b in zip(names, static_out, want):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
         assert budget_error(static_out[0], k.detach()) <= BUDGET_TOL[dtype]
         assert static_out[2].double().sum(1).tolist() == kh.double().tolist()
 
@@ -252,13 +252,31 @@ def test_opcheck_cuda():
             torch.library.opcheck(ops.soft_topk_forward, (x, k, t, largest, 0, mode))
         torch.library.opcheck(ops.soft_topk_forward, (x, k.detach().round(), t, largest, 0, 2))
         torch.library.opcheck(ops.topk, (x, 20, largest, False, torch.tensor([0, 5, 20, 21, 299, 300], device="cuda")))
-        torch.library.opcheck(ops.topk, (x.float(), 20, largest, True, None))
         xd, kd, td = x.detach(), k.detach(), t.detach()
         b, edge, _ = ops.lapsum_threshold(xd, kd, td, largest, 0)
+        bc, ec, _ = ops.lapsum_threshold(xd.cpu(), kd.cpu(), td.cpu(), largest, 0)
+        torch.testing.assert_close(b.cpu(), bc, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(edge.cpu(), ec)
+        gp = torch.randn(xd.shape, generator=g, dtype=F64)
         for log_mode in (False, True):
             torch.library.opcheck(ops.lapsum_mask, (xd, b, td, edge, largest, log_mode))
-            torch.library.opcheck(ops.soft_topk_backward, (torch.randn_like(xd), xd, b, td, largest, log_mode))
-        torch.library.opcheck(ops.lapsum_threshold_backward, (torch.randn_like(b), xd, b, td, largest))
+            torch.library.opcheck(ops.soft_topk_backward, (gp.cuda(), xd, b, td, largest, log_mode))
+            # the CUDA kernels against the CPU ones on the same (b, edge)
+            pc = ops.lapsum_mask(xd.cpu(), bc, td.cpu(), ec, largest, log_mode)
+            torch.testing.assert_close(ops.lapsum_mask(xd, b, td, edge, largest, log_mode).cpu(), pc,
+                                       rtol=1e-9, atol=1e-11)
+            want = ops.soft_topk_backward(gp, xd.cpu(), bc, td.cpu(), largest, log_mode)
+            got = ops.soft_topk_backward(gp.cuda(), xd, b, td, largest, log_mode)
+            for a, c in zip(got, want):
+                torch.testing.assert_close(a.cpu(), c, rtol=1e-8, atol=1e-10)
+        gb = torch.randn(6, generator=g, dtype=F64)
+        torch.library.opcheck(ops.lapsum_threshold_backward, (gb.cuda(), xd, b, td, largest))
+        want = ops.lapsum_threshold_backward(gb, xd.cpu(), bc, td.cpu(), largest)
+        for a, c in zip(ops.lapsum_threshold_backward(gb.cuda(), xd, b, td, largest), want):
+            torch.testing.assert_close(a.cpu(), c, rtol=1e-8, atol=1e-10)
+    for largest in (True, False):  # without lengths (last: a stride mismatch here stops the test)
+        for sorted_ in (False, True):
+            torch.library.opcheck(ops.topk, (x.float(), 20, largest, sorted_, None))
 
 
 def test_compile_cuda():
@@ -337,7 +355,7 @@ def test_row_longer_than_2_pow_31():
         torch.testing.assert_close(p[0, sl].double(), mask_ref(x[0, sl]), rtol=0, atol=1e-3)
     total = sum(p[0, s:s + chunk].double().sum().item() for s in range(0, n, chunk))
     want = sum(mask_ref(x[0, s:s + chunk]).sum().item() for s in range(0, n, chunk))
-    assert abs(total - want) <= 1e-3 * n ** 0.5 + 1e-4 * want
+    assert abs(total - want) <= 1e-3 * n ** 0.5 + 1e-6 * want, (total, want)
     del p
 
     # backward with g = x (no second row-sized input): closed form of DESIGN §1.3 in chunks

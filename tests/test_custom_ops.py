@@ -258,15 +258,19 @@ def _loss(x, kt, tt):
 
 def test_compile(device):
     """torch.compile(fullgraph=True) of every public function equals eager, forward and
-    backward (through soft_topk, log_soft_topk, lapsum_threshold, hard mode and topk)."""
+    backward (through soft_topk, log_soft_topk, lapsum_threshold, hard mode and topk).
+    On the CPU this broad graph uses the aot_eager backend (the same tracing, fake
+    kernels and AOT autograd; inductor's C++ build costs minutes on 2 cores): inductor
+    itself runs in test_compile_inductor and test_compile_dim0."""
+    backend = "aot_eager" if device == "cpu" else "inductor"
     g = torch.Generator().manual_seed(7)
     x = torch.randn(6, 40, generator=g).to(device)
     kt = torch.linspace(1, 30, 6, dtype=F64, device=device)
     tt = torch.linspace(0.1, 2, 6, device=device)
     lengths = torch.tensor([0, 2, 4, 5, 39, 40], device=device)
     torch._dynamo.reset()
-    fwd = torch.compile(_forward_all, fullgraph=True)
-    loss = torch.compile(_loss, fullgraph=True)
+    fwd = torch.compile(_forward_all, fullgraph=True, backend=backend)
+    loss = torch.compile(_loss, fullgraph=True, backend=backend)
     for x_, kt_, l_ in ((x, kt, lengths), (torch.randn(6, 40, generator=g).to(device), kt.flip(0), lengths.flip(0))):
         got, want = fwd(x_, kt_, tt, l_), _forward_all(x_, kt_, tt, l_)
         for a, b in zip(got, want):
@@ -278,6 +282,30 @@ def test_compile(device):
         for a, b in zip(got, want):
             assert bool((a != 0).any())
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def _small(x, kt, tt):
+    p = fastlapsum.soft_topk(x, kt, tt)
+    v, _ = fastlapsum.topk(x, 3, lengths=torch.tensor([3, 1, 0, 7], device=x.device))
+    b = fastlapsum.lapsum_threshold(x, kt, tt)
+    return p, v, b, (p * x).sum() + v.clamp(min=-10).sum() + b.sum()
+
+
+def test_compile_inductor(device):
+    """Inductor (the default backend) on a small graph, forward and backward."""
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(10), dtype=F64).to(device)
+    kt = torch.tensor([1.0, 2.5, 3.0, 6.0], dtype=F64, device=device)
+    tt = torch.tensor([0.5, 1.0, 0.2, 2.0], dtype=F64, device=device)
+    torch._dynamo.reset()
+    compiled = torch.compile(_small, fullgraph=True)
+    xs = [a.clone().requires_grad_() for a in (x, kt, tt)]
+    xe = [a.clone().requires_grad_() for a in (x, kt, tt)]
+    got, want = compiled(*xs), _small(*xe)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(torch.autograd.grad(got[-1], xs), torch.autograd.grad(want[-1], xe)):
+        assert bool((a != 0).any())
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
 def test_compile_dim0(device):

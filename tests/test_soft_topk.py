@@ -283,15 +283,15 @@ def test_non_contiguous_inputs(device, layout):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("method", ["sort", "bracket"])
-def test_half_precision_inputs(device, dtype, method):
-    rows, n = 3, 3000
+@pytest.mark.parametrize("rows,n", [(3, 3000), (1, 40000)])
+def test_half_precision_inputs(device, dtype, method, rows, n):
     x = torch.randn(rows, n, generator=torch.Generator().manual_seed(8)).to(dtype).to(device)
-    for k, t in [(1e-3, 1.0), (n / 16, 1e-2), (n / 3 + 0.37, 1.0), (n - 1.0, 1e3), (187.0, 0.1)]:
+    for k, t in [(1e-3, 1.0), (n / 16, 1e-2), (n / 3 + 0.37, 1.0), (n - 1.0, 1e3), (187.0, 0.1), (n / 2, 1e-4)]:
         p = fl.soft_topk(x, k, t, method=method)
         assert p.dtype == dtype and p.shape == x.shape
         assert budget_error(p, k).item() <= BUDGET_TOL[dtype], (k, t)
         ref = soft_topk_reference(x.cpu(), k, t)  # oracle on the same (rounded) scores
-        sp = same_precision_error(x.cpu(), k, t)
+        sp = (ref.to(dtype).double() - ref).abs().max().item()  # = same_precision_error
         err = (p.double().cpu() - ref).abs().max().item()
         assert err <= 4 * sp + 1e-12, (k, t, err, sp)
 
@@ -347,7 +347,9 @@ def test_log_soft_topk_finite_where_p_underflows(device, dtype):
 def test_lapsum_threshold_matches_reference(device, dtype, largest, method):
     rows, n = 4, 20000
     x = torch.randn(rows, n, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
-    x = (x * torch.tensor([[1.0], [1.0], [5.0], [1.0]], dtype=torch.float64) + torch.tensor([[0.0], [1e3], [0.0], [-3.0]], dtype=torch.float64))
+    scale = torch.tensor([[1.0], [1.0], [5.0], [1.0]], dtype=torch.float64)
+    shift = torch.tensor([[0.0], [1e3], [0.0], [-3.0]], dtype=torch.float64)
+    x = x * scale + shift
     x = x.to(dtype).to(device)
     k = torch.tensor([1e-3, 1250.0, n / 3 + 0.37, n - 1.0], dtype=torch.float64)
     t = torch.tensor([1.0, 1e-2, 1e3, 0.3], dtype=torch.float64)
@@ -398,6 +400,8 @@ def test_plus_inf_scores(device, dtype, method):
         expect = torch.where(x.cpu() == INF, torch.full((6,), k / 2, dtype=torch.float64),
                              torch.zeros(6, dtype=torch.float64)).to(dtype)
         torch.testing.assert_close(p, expect, rtol=0, atol=0)
+        lp = fl.log_soft_topk(x, k, 1.0, method=method).cpu()  # log(k/2) and -inf
+        torch.testing.assert_close(lp.double(), torch.log(expect.double()), rtol=0, atol=1e-7)
     # k above #(+inf): +inf get exactly 1, the finite scores solve for the rest, -inf get 0
     for k in [2.5, 3.0, 4.9]:
         p = fl.soft_topk(x, k, 1.0, method=method).cpu()
@@ -419,8 +423,8 @@ def test_minus_inf_scores_share_leftover(device, method):
         torch.testing.assert_close(p, expect, rtol=0, atol=0)
     p = fl.soft_topk(x, 1.5, 1.0, method=method).cpu()  # interior: -inf get exactly 0
     assert (p[x.cpu() == -INF] == 0).all()
-    torch.testing.assert_close(p[[1, 3]], soft_topk_reference(torch.tensor([3.0, 1.0], dtype=torch.float64), 1.5, 1.0),
-                               rtol=0, atol=1e-15)
+    ref = soft_topk_reference(torch.tensor([3.0, 1.0], dtype=torch.float64), 1.5, 1.0)
+    torch.testing.assert_close(p[[1, 3]], ref, rtol=0, atol=1e-15)
     # +inf and -inf together, k beyond #finite + #(+inf)
     y = torch.tensor([INF, -INF, 0.0, -INF], dtype=torch.float64, device=device)
     p = fl.soft_topk(y, 3.0, 1.0, method=method).cpu()
@@ -455,3 +459,11 @@ def test_nan_row_is_nan_other_rows_exact(device, method):
         assert abs(p[r].sum().item() - k[r].item()) <= 1e-12 * max(k[r].item(), 1)
     assert fl.lapsum_threshold(x, k, 0.5)[1].isnan()
     assert fl.log_soft_topk(x, k, 0.5)[1].isnan().all()
+    # straight-through forward: the NaN row is NaN, the others are exact top-k masks
+    kh = torch.tensor([5.0, 5.0, 100.0], dtype=torch.float64, device=device)
+    ph = fl.soft_topk(x, kh, 0.5, hard=True, method=method)
+    assert ph[1].isnan().all()
+    for r in (0, 2):
+        top = x[r].topk(int(kh[r].item())).indices
+        expect = torch.zeros_like(x[r]).index_fill_(0, top, 1.0)
+        torch.testing.assert_close(ph[r], expect, rtol=0, atol=0)

@@ -7,6 +7,8 @@ that the periodic rows really show the sample a single phase of the row.
 """
 import contextlib
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +22,23 @@ from conftest import BUDGET_TOL, budget_error
 EPS64 = torch.finfo(torch.float64).eps
 INF = math.inf
 M32 = 0xFFFFFFFF
-AUTO_BRACKET_MIN_N = 1 << 14  # kAutoBracketMinN in csrc/forward/threshold_cpu.cpp
+
+
+def _auto_bracket_min_n():
+    """kAutoBracketMinN of csrc/forward/threshold_cpu.cpp (a measured crossover that
+    moves): method="auto" brackets rows with at least that many finite scores."""
+    src = Path(__file__).resolve().parents[1] / "csrc" / "forward" / "threshold_cpu.cpp"
+    if not src.exists():
+        return None
+    m = re.search(r"kAutoBracketMinN\s*=\s*([^;]+);", src.read_text())
+    if m is None:
+        return None
+    expr = m.group(1).strip()
+    shift = re.fullmatch(r"(\d+)\s*<<\s*(\d+)", expr)
+    return int(shift.group(1)) << int(shift.group(2)) if shift else int(expr)
+
+
+AUTO_BRACKET_MIN_N = _auto_bracket_min_n()
 
 
 # ---------------------------------------------------------------------------------
@@ -234,16 +252,24 @@ def test_batch_of_gaussian_rows_bracket_each_row(device):
     assert (info.middle_size < 40000 // 8).all() and (info.middle_size > 0).all()
 
 
-def test_auto_uses_sort_below_the_crossover(device):
-    n = AUTO_BRACKET_MIN_N - 1
-    x = torch.randn(n, generator=_gen(22)).to(device)
-    info = fl.lapsum_diagnostics(x, 100.0, 1.0, method="auto")
-    assert info.path.item() == fl.PATH_SORT and info.middle_size.item() == n and info.attempts.item() == 0
-    # with 1000 -inf scores the finite count drops below the crossover
-    y = torch.randn(AUTO_BRACKET_MIN_N + 500, generator=_gen(23))
-    y[:1000] = -INF
+@pytest.mark.skipif(AUTO_BRACKET_MIN_N is None, reason="csrc/forward/threshold_cpu.cpp not found")
+def test_auto_switches_solver_at_the_crossover(device):
+    """auto: sort below kAutoBracketMinN finite scores, bracket from there on; the
+    count is of finite scores (infinities do not count)."""
+    c = AUTO_BRACKET_MIN_N
+    x = torch.randn(c + 1000, generator=_gen(22)).to(device)
+    for n, path in [(c - 1, fl.PATH_SORT), (c, fl.PATH_BRACKET), (c + 1000, fl.PATH_BRACKET)]:
+        info = fl.lapsum_diagnostics(x[:n], 100.5, 1.0, method="auto")
+        assert info.path.item() == path, (n, fl.PATH_NAMES[info.path.item()])
+        if path == fl.PATH_SORT:
+            assert info.middle_size.item() == n and info.attempts.item() == 0
+        else:
+            assert info.attempts.item() == 1
+    # with 1500 -inf scores the finite count drops below the crossover
+    y = torch.randn(c + 500, generator=_gen(23))
+    y[:1500] = -INF
     info = fl.lapsum_diagnostics(y.to(device), 100.0, 1.0, method="auto")
-    assert info.path.item() == fl.PATH_SORT and info.middle_size.item() == AUTO_BRACKET_MIN_N - 500
+    assert info.path.item() == fl.PATH_SORT and info.middle_size.item() == c - 1000
 
 
 @pytest.mark.parametrize("k", [50000.0, 50000.37, 49990.0, 55000.0, 30000.5, 3.5])
@@ -281,6 +307,46 @@ def test_constant_row_with_infinities_radix(device):
     assert (p[:100] == 1).all() and (p[100:5000] == 0).all()
     share = (k - 100) / 95000
     torch.testing.assert_close(p[5000:], torch.full((95000,), share, dtype=torch.float64), rtol=1e-14, atol=0)
+
+
+def radix_rows():
+    """Rows (n = 1e5) whose certified bracket holds a tie block too big to gather, so
+    the radix fallback runs; with the (k, t) for which that was measured to happen."""
+    n = 100000
+    g = _gen(40)
+    gauss = torch.randn(n, generator=g, dtype=torch.float64)
+    mostly_const = torch.where(torch.rand(n, generator=g) < 0.7, torch.full_like(gauss, 0.25), gauss)
+    two_level = (torch.rand(n, generator=g) < 0.5).double() * 1e-3
+    const_plus_far = torch.ones(n, dtype=torch.float64)
+    const_plus_far[:100] = 1e6
+    const_plus_far[100:200] = -1e6
+    const_fine = 1.0 + torch.randint(0, 3, (n,), generator=g).double() * 1e-12  # 3 values, ulps apart
+    half = n / 2
+    return {
+        "mostly_const": (mostly_const, [(half, 1e3), (half + 0.37, 1e3)]),
+        "two_level": (two_level, [(half, 1e-2), (half + 0.37, 1.0), (half, 1e3)]),
+        "const_plus_far": (const_plus_far, [(half, 1e-4), (half + 0.37, 1e-4), (half + 0.37, 1.0)]),
+        "const_fine": (const_fine, [(half, 1e-4), (half + 0.37, 1e-4), (half + 0.37, 1.0)]),
+    }
+
+
+RADIX_ROWS = radix_rows()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", list(RADIX_ROWS))
+def test_radix_fallback_rows_are_exact(device, name, dtype):
+    x, cases = RADIX_ROWS[name]
+    x = x.to(dtype).to(device)
+    for k, t in cases:
+        info = fl.lapsum_diagnostics(x, k, t, method="bracket")
+        assert info.path.item() == fl.PATH_RADIX, (k, t, fl.PATH_NAMES[info.path.item()])
+        _check_exact(x, k, t, "bracket")
+        bs = fl.lapsum_threshold(x, k, t, method="sort").item()
+        br = info.threshold.item()
+        _, b_ref, tw = oracle(x, k, t)
+        tol = 16 * EPS64 * (1 + abs(b_ref)) + 1e-12 * max(k, 1) * t / max(tw, 1e-300)
+        assert abs(br - b_ref) <= tol and abs(bs - b_ref) <= tol, (k, t, br, bs, b_ref, tol)
 
 
 def test_periodic_row_defeats_the_sample_and_stays_exact(device):

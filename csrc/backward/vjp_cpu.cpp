@@ -8,24 +8,18 @@
 
 #include "../common/cpu_rows.h"
 #include "../common/vjp_math.h"
+#include "../common/op_io.h"
 #include "../ops.h"
-#include "backward_io.h"
 
 namespace fastlapsum {
 namespace {
 
-// sums over one row; gw(i, u, tw) is the element's upstream-weighted term G_i.
-template <typename scalar_t, typename GW>
-VjpSums row_sums(const Row<scalar_t>& row, double b, double t, const GW& gw) {
+// sums over one row; term(i) is element i's VjpTerm.
+template <typename Term>
+VjpSums row_sums(int64_t n, const Term& term) {
   VjpSums tot;
-  for (const VjpSums& s : over_parts<VjpSums>(row.n, VjpSums{}, [&](int64_t i0, int64_t i1,
-                                                                    VjpSums& acc) {
-         for (int64_t i = i0; i < i1; ++i) {
-           const double si = row(i);
-           const double tw = lapsum_weight_scaled(si, b, t);
-           if (tw == 0.0) continue;
-           acc.add(tw, gw(i, (si - b) / t, tw), si - b);
-         }
+  for (const VjpSums& s : over_parts<VjpSums>(n, VjpSums{}, [&](int64_t i0, int64_t i1, VjpSums& acc) {
+         for (int64_t i = i0; i < i1; ++i) acc.add(term(i));
        }))
     tot.merge(s);
   return tot;
@@ -37,6 +31,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cpu(
     const at::Tensor& grad_in, const at::Tensor& x_in, const at::Tensor& b_in,
     const at::Tensor& t_in, bool largest, bool log_mode) {
   auto [x, b, t, gx, gk, gt] = backward_io(x_in, b_in, t_in);
+  TORCH_CHECK(grad_in.sizes() == x.sizes(), "fastlapsum: grad must have the shape of x");
   const at::Tensor g = grad_in.to(x.scalar_type()).contiguous();
   const int64_t rows = x.size(0), n = x.size(1);
   const double sign = largest ? 1.0 : -1.0;
@@ -53,19 +48,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cpu(
         const Row<scalar_t> row{xp + r * n, n, sign};
         const scalar_t* gr = gp + r * n;
         const double br = sign * bp[r], tr = tp[r];
-        const auto gw = [&](int64_t i, double u, double tw) {
-          return upstream_weight(static_cast<double>(gr[i]), u, tw, log_mode);
+        const auto term = [&](int64_t i) {
+          return vjp_term(row(i), br, tr, static_cast<double>(gr[i]), log_mode);
         };
-        const VjpSums s = row_sums(row, br, tr, gw);
-        const MaskVjp v = mask_vjp(s, br, tr);
+        const MaskVjp v = mask_vjp(row_sums(n, term), br, tr);
         gkp[r] = v.grad_k;
         gtp[r] = v.grad_t;
         at::parallel_for(0, n, kPartSize, [&](int64_t i0, int64_t i1) {
           for (int64_t i = i0; i < i1; ++i) {
-            const double si = row(i);
-            const double tw = lapsum_weight_scaled(si, br, tr);
-            const double G = tw == 0.0 ? 0.0 : gw(i, (si - br) / tr, tw);
-            op[r * n + i] = static_cast<scalar_t>(sign * v.grad_score(G, tw));
+            const VjpTerm e = term(i);
+            op[r * n + i] = static_cast<scalar_t>(sign * v.grad_score(e.G, e.tw));
           }
         });
       }
@@ -78,6 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cpu(
     const at::Tensor& grad_b_in, const at::Tensor& x_in, const at::Tensor& b_in,
     const at::Tensor& t_in, bool largest) {
   auto [x, b, t, gx, gk, gt] = backward_io(x_in, b_in, t_in);
+  TORCH_CHECK(grad_b_in.numel() == x.size(0), "fastlapsum: grad_b needs one value per row");
   const at::Tensor gb = grad_b_in.to(at::kDouble).contiguous();
   const int64_t rows = x.size(0), n = x.size(1);
   const double sign = largest ? 1.0 : -1.0;
@@ -93,13 +86,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cpu(
       for (int64_t r = r0; r < r1; ++r) {
         const Row<scalar_t> row{xp + r * n, n, sign};
         const double br = sign * bp[r], tr = tp[r];
-        const VjpSums s = row_sums(row, br, tr, [](int64_t, double, double) { return 0.0; });
-        const ThresholdVjp v = threshold_vjp(s, gbp[r], br, tr, sign);
+        const auto term = [&](int64_t i) { return vjp_term(row(i), br, tr, 0.0, false); };
+        const ThresholdVjp v = threshold_vjp(row_sums(n, term), gbp[r], br, tr, sign);
         gkp[r] = v.grad_k;
         gtp[r] = v.grad_t;
         at::parallel_for(0, n, kPartSize, [&](int64_t i0, int64_t i1) {
           for (int64_t i = i0; i < i1; ++i)
-            op[r * n + i] = static_cast<scalar_t>(v.scale * lapsum_weight_scaled(row(i), br, tr));
+            op[r * n + i] = static_cast<scalar_t>(v.scale * term(i).tw);
         });
       }
     });

@@ -8,8 +8,8 @@
 
 #include "../common/cuda_launch.cuh"
 #include "../common/vjp_math.h"
+#include "../common/op_io.h"
 #include "../ops.h"
-#include "backward_io.h"
 
 namespace fastlapsum {
 namespace {
@@ -23,10 +23,12 @@ struct SumOp {
   }
 };
 
-// upstream-weighted term G_i: zero for the threshold VJP (grad == nullptr)
+// element i of row r; the threshold VJP has no upstream tensor (grad == nullptr)
 template <typename scalar_t>
-__device__ double element_G(const scalar_t* grad, int64_t i, double u, double tw, bool log_mode) {
-  return grad == nullptr ? 0.0 : upstream_weight(static_cast<double>(grad[i]), u, tw, log_mode);
+__device__ VjpTerm element_term(const scalar_t* grad, const scalar_t* x, int64_t idx, double sign,
+                                double b, double t, bool log_mode) {
+  const double g = grad == nullptr ? 0.0 : static_cast<double>(grad[idx]);
+  return vjp_term(sign * static_cast<double>(x[idx]), b, t, g, log_mode);
 }
 
 template <typename scalar_t>
@@ -40,11 +42,8 @@ __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scala
     const double br = sign * b[r], tr = t[r];
     VjpSums acc;
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-         i += int64_t(gridDim.x) * blockDim.x) {
-      const double s = sign * static_cast<double>(x[r * n + i]);
-      const double tw = lapsum_weight_scaled(s, br, tr);
-      if (tw != 0.0) acc.add(tw, element_G(grad + (grad ? r * n : 0), i, (s - br) / tr, tw, log_mode), s - br);
-    }
+         i += int64_t(gridDim.x) * blockDim.x)
+      acc.add(element_term(grad, x, r * n + i, sign, br, tr, log_mode));
     const VjpSums total = Reduce(tmp).Reduce(acc, SumOp());
     if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x] = total;
     __syncthreads();
@@ -88,10 +87,8 @@ __global__ void mask_vjp_apply_kernel(const scalar_t* __restrict__ grad, const s
     }
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
          i += int64_t(gridDim.x) * blockDim.x) {
-      const double s = sign * static_cast<double>(x[r * n + i]);
-      const double tw = lapsum_weight_scaled(s, br, tr);
-      const double G = tw == 0.0 ? 0.0 : element_G(grad + r * n, i, (s - br) / tr, tw, log_mode);
-      gx[r * n + i] = static_cast<scalar_t>(sign * v.grad_score(G, tw));
+      const VjpTerm e = element_term(grad, x, r * n + i, sign, br, tr, log_mode);
+      gx[r * n + i] = static_cast<scalar_t>(sign * v.grad_score(e.G, e.tw));
     }
   }
 }
@@ -111,7 +108,7 @@ __global__ void threshold_vjp_apply_kernel(const double* __restrict__ grad_b, co
     }
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
          i += int64_t(gridDim.x) * blockDim.x)
-      gx[r * n + i] = static_cast<scalar_t>(v.scale * lapsum_weight_scaled(sign * static_cast<double>(x[r * n + i]), br, tr));
+      gx[r * n + i] = static_cast<scalar_t>(v.scale * element_term<scalar_t>(nullptr, x, r * n + i, sign, br, tr, false).tw);
   }
 }
 
@@ -127,6 +124,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cuda(
     const at::Tensor& t_in, bool largest, bool log_mode) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   BackwardIO w = backward_io(x_in, b_in, t_in);
+  TORCH_CHECK(grad_in.sizes() == w.x.sizes(), "fastlapsum: grad must have the shape of x");
   if (w.x.numel() == 0) return {w.gx, w.gk, w.gt};
   const dim3 grid = row_grid(w.x.size(0), w.x.size(1), 8, kMaxChunks);
   const at::Tensor ws = partial_workspace(w.x, grid);
@@ -154,6 +152,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cuda(
     const at::Tensor& t_in, bool largest) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   BackwardIO w = backward_io(x_in, b_in, t_in);
+  TORCH_CHECK(grad_b_in.numel() == w.x.size(0), "fastlapsum: grad_b needs one value per row");
   if (w.x.numel() == 0) return {w.gx, w.gk, w.gt};
   const dim3 grid = row_grid(w.x.size(0), w.x.size(1), 8, kMaxChunks);
   const at::Tensor ws = partial_workspace(w.x, grid);

@@ -60,13 +60,6 @@ FLS_HD double lapsum_log_prob(double s, double b, double t, double edge) {
   return laplace_log_cdf((s - b) / t);
 }
 
-// t * w_i = t * f((s - b)/t)/t: the VJP weight times t.  Zero where the row's
-// threshold is infinite (the mask is hard there) and for infinite scores.
-FLS_HD double lapsum_weight_scaled(double s, double b, double t) {
-  if (!is_finite(b) || !is_finite(s)) return 0.0;
-  return laplace_pdf_scaled((s - b) / t);
-}
-
 // The budget curve restricted to one interval [lo, hi] that holds no score in its
 // interior:  Psi(b) = C - 1/2 e^{(b-hi)/t} A + 1/2 e^{(lo-b)/t} B  with
 //   C = #scores >= hi,  A = sum_{s >= hi} e^{(hi-s)/t},  B = sum_{s <= lo} e^{(s-lo)/t}.
@@ -116,6 +109,20 @@ FLS_HD uint64_t double_key(double x) {
   memcpy(&u, &x, sizeof(u));
   if (u == 0x8000000000000000ull) u = 0;
   return (u & 0x8000000000000000ull) ? ~u : (u | 0x8000000000000000ull);
+}
+
+// Inverses of the keys (a key in a NaN range decodes to NaN).
+FLS_HD float key_to_float(uint32_t k) {
+  const uint32_t u = (k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k;
+  float x;
+  memcpy(&x, &u, sizeof(x));
+  return x;
+}
+FLS_HD double key_to_double(uint64_t k) {
+  const uint64_t u = (k & 0x8000000000000000ull) ? (k & 0x7FFFFFFFFFFFFFFFull) : ~k;
+  double x;
+  memcpy(&x, &u, sizeof(x));
+  return x;
 }
 
 // Deterministic 32-bit mixing (a counter-based generator: no state, same on CPU/GPU).

@@ -8,16 +8,6 @@
 
 namespace fastlapsum {
 
-struct VjpSums {
-  double tw = 0, G = 0, twd = 0, Gd = 0;
-  FLS_HD void add(double w, double g, double d) {
-    tw += w; G += g; twd += w * d; Gd += g * d;
-  }
-  FLS_HD void merge(const VjpSums& o) {
-    tw += o.tw; G += o.G; twd += o.twd; Gd += o.Gd;
-  }
-};
-
 // G_i for upstream gradient g at u = (s - b)/t. For the log mask the upstream gradient
 // of p is g / p, and tw / p = 1 (u <= 0) or e^{-u} / (2 - e^{-u}) (u > 0), without 0/0.
 FLS_HD double upstream_weight(double g, double u, double tw, bool log_mode) {
@@ -26,6 +16,28 @@ FLS_HD double upstream_weight(double g, double u, double tw, bool log_mode) {
   const double e = exp(-u);
   return g * e / (2.0 - e);
 }
+
+// One element's terms: tw = t w = e^{-|d|/t}/2, G, d = s - b. Infinite scores and
+// rows with an infinite threshold contribute nothing. In log mode G does not vanish
+// where tw underflows (far below b, log p = (s - b)/t + log 1/2 still moves).
+struct VjpTerm {
+  double tw, G, d;
+};
+FLS_HD VjpTerm vjp_term(double s, double b, double t, double g, bool log_mode) {
+  if (!is_finite(s) || !is_finite(b)) return VjpTerm{0.0, 0.0, 0.0};
+  const double d = s - b, u = d / t, tw = laplace_pdf_scaled(u);
+  return VjpTerm{tw, upstream_weight(g, u, tw, log_mode), d};
+}
+
+struct VjpSums {
+  double tw = 0, G = 0, twd = 0, Gd = 0;
+  FLS_HD void add(const VjpTerm& e) {
+    tw += e.tw; G += e.G; twd += e.tw * e.d; Gd += e.G * e.d;
+  }
+  FLS_HD void merge(const VjpSums& o) {
+    tw += o.tw; G += o.G; twd += o.twd; Gd += o.Gd;
+  }
+};
 
 struct MaskVjp {
   double ratio;   // <g', w> / W

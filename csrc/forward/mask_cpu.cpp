@@ -8,13 +8,14 @@
 
 #include "../common/lapsum_math.h"
 #include "../hard_topk/select_cpu.h"
+#include "../common/op_io.h"
 #include "../ops.h"
 
 namespace fastlapsum {
 
 at::Tensor lapsum_mask_cpu(const at::Tensor& x_in, const at::Tensor& b_in, const at::Tensor& t_in,
                            const at::Tensor& edge_in, bool largest, bool log_mode) {
-  TORCH_CHECK(x_in.dim() == 2, "fastlapsum: expected x of shape [rows, n]");
+  check_rows(x_in, {{&b_in, "b"}, {&t_in, "t"}, {&edge_in, "edge"}});
   const at::Tensor x = x_in.contiguous(), b = b_in.contiguous(), t = t_in.contiguous(),
                    edge = edge_in.contiguous();
   const int64_t n = x.size(1);

@@ -4,6 +4,7 @@
 
 #include "../common/cuda_launch.cuh"
 #include "../common/lapsum_math.h"
+#include "../common/op_io.h"
 #include "../ops.h"
 
 namespace fastlapsum {
@@ -29,7 +30,7 @@ __global__ void lapsum_mask_kernel(const scalar_t* __restrict__ x, const double*
 
 at::Tensor lapsum_mask_cuda(const at::Tensor& x_in, const at::Tensor& b_in, const at::Tensor& t_in,
                             const at::Tensor& edge_in, bool largest, bool log_mode) {
-  TORCH_CHECK(x_in.dim() == 2, "fastlapsum: expected x of shape [rows, n]");
+  check_rows(x_in, {{&b_in, "b"}, {&t_in, "t"}, {&edge_in, "edge"}});
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous(), b = b_in.contiguous(), t = t_in.contiguous(),
                    edge = edge_in.contiguous();

@@ -17,6 +17,7 @@
 #include "../common/atom_scan.h"
 #include "../common/bracket_rule.h"
 #include "../common/cpu_rows.h"
+#include "../common/op_io.h"
 #include "../ops.h"
 
 namespace fastlapsum {
@@ -136,6 +137,7 @@ RowSolution solve_bracket(const Row<scalar_t>& row, int64_t row_index, int64_t f
   const int64_t m = static_cast<int64_t>(y.size());
   double known_lo = -INFINITY, known_hi = INFINITY;  // b >= known_lo, b < known_hi
   int64_t middle = 0;
+  int tries = 0;  // certification passes made
   for (int attempt = 0; attempt < kBracketAttempts && m > 0; ++attempt) {
     int64_t il, iu;
     bracket_indices(m, static_cast<double>(finite), k, attempt, &il, &iu);
@@ -143,6 +145,7 @@ RowSolution solve_bracket(const Row<scalar_t>& row, int64_t row_index, int64_t f
     const double aR = std::min(iu >= m ? INFINITY : y[iu], known_hi);
     if (!(aL < aR)) continue;  // what earlier tries learnt leaves no room: widen
     const int64_t cap = middle_capacity(finite, m, il, iu);
+    ++tries;
     auto parts = over_parts<BracketPass>(row.n, BracketPass{}, [&](int64_t i0, int64_t i1,
                                                                    BracketPass& q) {
       for (int64_t i = i0; i < i1; ++i) {
@@ -181,10 +184,9 @@ RowSolution solve_bracket(const Row<scalar_t>& row, int64_t row_index, int64_t f
     const ScanResult r = scan_atoms([&](int64_t i) { return point_atom(mid[i]); },
                                     static_cast<int64_t>(mid.size()), Tail{tot.h, tot.SR, aR},
                                     Tail{0.0, tot.SL, aL}, k, t, scratch.data());
-    return RowSolution{r.b, 1.0, attempt == 0 ? kPathBracket : kPathBracketRetry, middle,
-                       attempt + 1};
+    return RowSolution{r.b, 1.0, tries == 1 ? kPathBracket : kPathBracketRetry, middle, tries};
   }
-  return RowSolution{solve_radix(row, k, t), 1.0, kPathRadix, middle, kBracketAttempts};
+  return RowSolution{solve_radix(row, k, t), 1.0, kPathRadix, middle, tries};
 }
 
 template <typename scalar_t>
@@ -208,22 +210,14 @@ RowSolution solve_row(const Row<scalar_t>& row, int64_t row_index, double k, dou
   return RowSolution{solve_sort(row, finite, kf, t), 1.0, kPathSort, finite, 0};
 }
 
-void check_soft_inputs(const at::Tensor& x, const at::Tensor& k, const at::Tensor& t) {
-  TORCH_CHECK(x.dim() == 2, "fastlapsum: expected x of shape [rows, n]");
-  TORCH_CHECK(x.is_floating_point(), "fastlapsum: x must be a floating-point tensor");
-  TORCH_CHECK(k.scalar_type() == at::kDouble && t.scalar_type() == at::kDouble,
-              "fastlapsum: k and t must be float64");
-  TORCH_CHECK(k.numel() == x.size(0) && t.numel() == x.size(0),
-              "fastlapsum: k and t need one value per row");
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cpu(const at::Tensor& x_in,
                                                                     const at::Tensor& k_in,
                                                                     const at::Tensor& t_in,
                                                                     bool largest, int64_t method) {
-  check_soft_inputs(x_in, k_in, t_in);
+  check_rows(x_in, {{&k_in, "k"}, {&t_in, "t"}});
+  TORCH_CHECK(method >= kMethodAuto && method <= kMethodBracket, "fastlapsum: unknown method ", method);
   const at::Tensor x = x_in.contiguous();
   const at::Tensor k = k_in.contiguous(), t = t_in.contiguous();
   const int64_t rows = x.size(0), n = x.size(1);
@@ -255,6 +249,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cpu(const at::Te
 std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_forward_cpu(
     const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest, int64_t method,
     int64_t mode) {
+  TORCH_CHECK(mode >= kModeSoft && mode <= kModeHard, "fastlapsum: unknown mode ", mode);
   auto [b, edge, diag] = lapsum_threshold_cpu(x, k, t, largest, method);
   at::Tensor p;
   if (mode == kModeHard) {
