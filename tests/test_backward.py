@@ -228,7 +228,7 @@ def test_log_vjp_where_p_underflows(device):
         return log_laplace_cdf((x - b[..., None]) / t[..., None])
 
     want = torch.autograd.grad(log_mask(xe, ke, te), (xe, ke, te), g)
-    assert want[0][0, 3] == pytest.approx(1.0)  # the element's own 1/t term
+    assert want[0][0, 3].item() == pytest.approx(1.0)  # the element's own 1/t term
     assert_grads_close(got, want, rtol=1e-10, atol_rel=1e-12)
 
 
@@ -308,8 +308,12 @@ def test_hard_rejects_fractional_k(device):
     x = torch.randn(10, device=device)
     with pytest.raises(ValueError):
         fl.soft_topk(x, 2.5, 1.0, hard=True)
-    with pytest.raises(ValueError):
-        fl.soft_topk(x, torch.tensor(2.5, dtype=F64, device=device), 1.0, hard=True)
+    k = torch.tensor(2.5, dtype=F64, device=device)
+    if device == "cpu":
+        with pytest.raises(ValueError):
+            fl.soft_topk(x, k, 1.0, hard=True)
+    else:  # CUDA tensors are not checked on the host (a sync): the row is NaN instead
+        assert fl.soft_topk(x, k, 1.0, hard=True).isnan().all()
 
 
 # ---------------------------------------------------------------------------------

@@ -8,10 +8,19 @@
 
 namespace fastlapsum {
 
-// x is [rows, n] floating point and each per-row tensor is float64 with one value per row.
-// Defined once in op_io.cpp (host code shared by .cpp and .cu translation units).
+// x is [rows, n] floating point and each per-row tensor is float64 with one value per row on
+// x's device; the message names the tensor. Messages are plain literals: a message built
+// from values goes through std::ostringstream in the extension, which crashed on throw on
+// the GPU machine's toolchain (its g++ is newer than the libstdc++ torch loads).
 void check_rows(const at::Tensor& x,
                 std::initializer_list<std::pair<const at::Tensor*, const char*>> per_row);
+
+#define FLS_PER_ROW(name) "fastlapsum: " name " must be float64 with one value per row, on x's device"
+constexpr const char* kBadK = FLS_PER_ROW("k");
+constexpr const char* kBadT = FLS_PER_ROW("t");
+constexpr const char* kBadB = FLS_PER_ROW("b");
+constexpr const char* kBadEdge = FLS_PER_ROW("edge");
+#undef FLS_PER_ROW
 
 struct BackwardIO {
   at::Tensor x, b, t;     // contiguous inputs

@@ -30,7 +30,7 @@ __global__ void lapsum_mask_kernel(const scalar_t* __restrict__ x, const double*
 
 at::Tensor lapsum_mask_cuda(const at::Tensor& x_in, const at::Tensor& b_in, const at::Tensor& t_in,
                             const at::Tensor& edge_in, bool largest, bool log_mode) {
-  check_rows(x_in, {{&b_in, "b"}, {&t_in, "t"}, {&edge_in, "edge"}});
+  check_rows(x_in, {{&b_in, kBadB}, {&t_in, kBadT}, {&edge_in, kBadEdge}});
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous(), b = b_in.contiguous(), t = t_in.contiguous(),
                    edge = edge_in.contiguous();

@@ -216,8 +216,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cpu(const at::Te
                                                                     const at::Tensor& k_in,
                                                                     const at::Tensor& t_in,
                                                                     bool largest, int64_t method) {
-  check_rows(x_in, {{&k_in, "k"}, {&t_in, "t"}});
-  TORCH_CHECK(method >= kMethodAuto && method <= kMethodBracket, "fastlapsum: unknown method ", method);
+  check_rows(x_in, {{&k_in, kBadK}, {&t_in, kBadT}});
+  TORCH_CHECK(method >= kMethodAuto && method <= kMethodBracket, "fastlapsum: method must be 0 (auto), 1 (sort) or 2 (bracket)");
   const at::Tensor x = x_in.contiguous();
   const at::Tensor k = k_in.contiguous(), t = t_in.contiguous();
   const int64_t rows = x.size(0), n = x.size(1);
@@ -249,7 +249,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cpu(const at::Te
 std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_forward_cpu(
     const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest, int64_t method,
     int64_t mode) {
-  TORCH_CHECK(mode >= kModeSoft && mode <= kModeHard, "fastlapsum: unknown mode ", mode);
+  TORCH_CHECK(mode >= kModeSoft && mode <= kModeHard, "fastlapsum: mode must be 0 (soft), 1 (log) or 2 (hard)");
   auto [b, edge, diag] = lapsum_threshold_cpu(x, k, t, largest, method);
   at::Tensor p;
   if (mode == kModeHard) {

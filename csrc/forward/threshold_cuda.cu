@@ -6,13 +6,17 @@
 // count and the exponential sums relative to the bin's key-range edges (fixed, so that
 // blocks can add them with atomics; a term that underflows against an edge is also
 // negligible for every threshold outside the bin). A one-block-per-row kernel scans the
-// atoms with the shared closed-form scan: it solves in a gap, or names the bin to
-// refine. Fixed launch count (two kernels per level), O(n) per level, no host sync;
-// the final level's bins are single values, so every row is solved by then.
+// atoms with the shared closed-form scan: it finds the gap holding the root, or names
+// the bin to refine (the final level's bins are single values, so every row has its
+// gap by then). A last pass then sums the scores on either side of the gap relative to
+// the nearest score with deterministic block reductions (no float atomics) and solves
+// in closed form, so the answer is exact and the same on every run. Fixed launch count,
+// O(n) per level, no host sync.
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
 #include <cfloat>
+#include <cub/block/block_reduce.cuh>
 #include <type_traits>
 
 #include "../common/atom_scan.h"
@@ -32,6 +36,22 @@ struct RadixRow {
   int done;         // how many
   int active;       // still refining
   double k, t;      // finite-score budget and temperature
+  int solving;      // gap found: solve in the last pass
+  double gap_lo, gap_hi;  // no score lies strictly inside; the root does
+};
+
+// Scores on each side of the gap: `above` (s >= gap_hi) and `below` (s <= gap_lo).
+struct GapSides {
+  Atom above, below;
+};
+
+struct GapMerge {
+  double t;
+  __device__ GapSides operator()(GapSides a, const GapSides& b) const {
+    atom_merge(a.above, b.above, t);
+    atom_merge(a.below, b.below, t);
+    return a;
+  }
 };
 
 struct BinSums {  // global histogram entry
@@ -78,7 +98,7 @@ __global__ void radix_hist_kernel(const scalar_t* __restrict__ x, const RadixRow
   __shared__ unsigned long long s_nonfinite[3];
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     // the first level runs before any row state exists
-    const RadixRow st = first ? RadixRow{{}, {}, 0, 0, 1, 0.0, t_in[r]} : state[r];
+    const RadixRow st = first ? RadixRow{{}, {}, 0, 0, 1, 0.0, t_in[r], 0, 0.0, 0.0} : state[r];
     if (!st.active) continue;  // uniform across the block
     for (int j = threadIdx.x; j < kBins; j += blockDim.x) { s_count[j] = 0; s_U[j] = 0; s_L[j] = 0; }
     if (threadIdx.x < 3) s_nonfinite[threadIdx.x] = 0;
@@ -138,7 +158,7 @@ __global__ void radix_scan_kernel(RadixRow* __restrict__ state, BinSums* __restr
         const double k = k_in[r], t = t_in[r], nn = static_cast<double>(n);
         const double pinf = static_cast<double>(nonfinite[3 * r + 1]);
         const double ninf = static_cast<double>(nonfinite[3 * r + 2]);
-        st = RadixRow{Tail{0.0, 0.0, INFINITY}, Tail{0.0, 0.0, -INFINITY}, 0, 0, 1, k - pinf, t};
+        st = RadixRow{Tail{0.0, 0.0, INFINITY}, Tail{0.0, 0.0, -INFINITY}, 0, 0, 1, k - pinf, t, 0, 0.0, 0.0};
         done = true;
         if (!(k >= 0.0 && k <= nn) || !(t > 0.0) || !is_finite(t) || nonfinite[3 * r] > 0) {
           edge = NAN;
@@ -178,11 +198,15 @@ __global__ void radix_scan_kernel(RadixRow* __restrict__ state, BinSums* __restr
           st.above = res.above;
           st.below = res.below;
         } else {
-          b = res.inside >= 0 ? atom_at(res.inside).lo : res.b;  // a single-key bin is a point
-          done = true;
-          diag[3 * r] = kPathRadix;
-          diag[3 * r + 1] = 0;
-          diag[3 * r + 2] = 0;
+          st.active = 0;
+          st.solving = 1;
+          edge_out[r] = 1.0;
+          if (res.inside >= 0) {  // a single-key bin is a point: the gap is [v, v]
+            st.gap_lo = st.gap_hi = atom_at(res.inside).lo;
+          } else {
+            st.gap_lo = res.gap_lo;
+            st.gap_hi = res.gap_hi;
+          }
         }
       }
       if (done) {
@@ -198,14 +222,57 @@ __global__ void radix_scan_kernel(RadixRow* __restrict__ state, BinSums* __restr
   }
 }
 
+template <typename scalar_t>
+__global__ void gap_sides_kernel(const scalar_t* __restrict__ x, const RadixRow* __restrict__ state,
+                                 GapSides* __restrict__ partial, int64_t rows, int64_t n, double sign) {
+  using Reduce = cub::BlockReduce<GapSides, kThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const Atom none{0, 0, 0, 0, 0};
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const RadixRow st = state[r];
+    if (!st.solving) continue;  // uniform across the block
+    GapSides acc{none, none};
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+         i += int64_t(gridDim.x) * blockDim.x) {
+      const double s = sign * static_cast<double>(x[r * n + i]);
+      if (!is_finite(s)) continue;
+      if (s >= st.gap_hi) atom_add(acc.above, s, st.t);
+      else if (s <= st.gap_lo) atom_add(acc.below, s, st.t);
+    }
+    const GapSides total = Reduce(tmp).Reduce(acc, GapMerge{st.t});
+    if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x] = total;
+    __syncthreads();
+  }
+}
+
+// One thread per row folds the row's partials in order and solves on the gap between
+// the nearest scores: C = #above, A = sum e^{(min_above - s)/t}, B = sum e^{(s - max_below)/t}.
+__global__ void gap_solve_kernel(const RadixRow* __restrict__ state, const GapSides* __restrict__ partial,
+                                 int chunks, double* __restrict__ b_out, int64_t* __restrict__ diag,
+                                 int64_t rows, double sign) {
+  const int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (r >= rows) return;
+  const RadixRow st = state[r];
+  if (!st.solving) return;
+  GapSides g{Atom{0, 0, 0, 0, 0}, Atom{0, 0, 0, 0, 0}};
+  const GapMerge merge{st.t};
+  for (int c = 0; c < chunks; ++c) g = merge(g, partial[r * chunks + c]);
+  const double hi = g.above.count > 0 ? g.above.lo : INFINITY;
+  const double lo = g.below.count > 0 ? g.below.hi : -INFINITY;
+  b_out[r] = sign * solve_interval(g.above.count, g.above.U, g.below.L, hi, lo, st.k, st.t);
+  diag[3 * r] = kPathRadix;
+  diag[3 * r + 1] = 0;
+  diag[3 * r + 2] = 0;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cuda(const at::Tensor& x_in,
                                                                      const at::Tensor& k_in,
                                                                      const at::Tensor& t_in,
                                                                      bool largest, int64_t method) {
-  check_rows(x_in, {{&k_in, "k"}, {&t_in, "t"}});
-  TORCH_CHECK(method >= kMethodAuto && method <= kMethodBracket, "fastlapsum: unknown method ", method);
+  check_rows(x_in, {{&k_in, kBadK}, {&t_in, kBadT}});
+  TORCH_CHECK(method >= kMethodAuto && method <= kMethodBracket, "fastlapsum: method must be 0 (auto), 1 (sort) or 2 (bracket)");
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous(), k = k_in.contiguous(), t = t_in.contiguous();
   const int64_t rows = x.size(0), n = x.size(1);
@@ -221,6 +288,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cuda(const at::T
   const cudaStream_t stream = current_stream();
   const dim3 hist_grid = row_grid(rows, n, 16, 1024);
   const unsigned scan_grid = static_cast<unsigned>(rows < 65535 ? rows : 65535);
+  at::Tensor sides = at::empty({rows * int64_t(hist_grid.x) * int64_t(sizeof(GapSides))}, x.options().dtype(at::kByte));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "lapsum_threshold_cuda", [&] {
     auto* st = reinterpret_cast<RadixRow*>(state.mutable_data_ptr());
     auto* hs = reinterpret_cast<BinSums*>(hist.mutable_data_ptr());
@@ -236,6 +304,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cuda(const at::T
           edge.mutable_data_ptr<double>(), diag.mutable_data_ptr<int64_t>(), rows, n, sign, first);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
+    gap_sides_kernel<scalar_t><<<hist_grid, kThreads, 0, stream>>>(
+        x.const_data_ptr<scalar_t>(), st, reinterpret_cast<GapSides*>(sides.mutable_data_ptr()), rows, n, sign);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    gap_solve_kernel<<<static_cast<unsigned>((rows + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+        st, reinterpret_cast<const GapSides*>(sides.const_data_ptr()), static_cast<int>(hist_grid.x),
+        b.mutable_data_ptr<double>(), diag.mutable_data_ptr<int64_t>(), rows, sign);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {b, edge, diag};
 }
