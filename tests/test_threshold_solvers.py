@@ -369,7 +369,8 @@ def test_periodic_row_defeats_the_sample_and_stays_exact(device):
     for k, t in [(n / 2, 1.0), (n / 16, 1e-2), (10.5, 1.0)]:
         info = fl.lapsum_diagnostics(x, k, t, method="bracket")
         assert info.path.item() in (fl.PATH_BRACKET_RETRY, fl.PATH_RADIX), fl.PATH_NAMES[info.path.item()]
-        assert info.attempts.item() > 1
+        if device == "cpu":  # the CUDA engine goes straight to the radix bracket
+            assert info.attempts.item() > 1
         _check_exact(x, k, t, "bracket")
         torch.testing.assert_close(fl.lapsum_threshold(x, k, t, method="bracket"),
                                    fl.lapsum_threshold(x, k, t, method="sort"), rtol=1e-13, atol=1e-13)
@@ -384,7 +385,8 @@ def test_periodic_rows_per_row_offset(device):
     xs = xs.to(device)
     info = fl.lapsum_diagnostics(xs, n / 2, 1.0, method="bracket")
     assert ((info.path == fl.PATH_BRACKET_RETRY) | (info.path == fl.PATH_RADIX)).all(), info.path
-    assert (info.attempts > 1).all()
+    if device == "cpu":  # the CUDA engine goes straight to the radix bracket
+        assert (info.attempts > 1).all()
     p = fl.soft_topk(xs, n / 2, 1.0, method="bracket")
     ps = fl.soft_topk(xs, n / 2, 1.0, method="sort")
     assert budget_error(p, n / 2).item() <= BUDGET_TOL[torch.float64]
@@ -400,7 +402,8 @@ def test_periodic_row_missed_huge_values_retry(device):
     k = n / stride - 60.0  # b among the huge values, bracket end finite on the 1st try
     info = fl.lapsum_diagnostics(x, k, 1.0, method="bracket")
     assert info.path.item() in (fl.PATH_BRACKET_RETRY, fl.PATH_RADIX), fl.PATH_NAMES[info.path.item()]
-    assert info.attempts.item() > 1
+    if device == "cpu":  # the CUDA engine goes straight to the radix bracket
+        assert info.attempts.item() > 1
     _check_exact(x, k, 1.0, "bracket")
 
 
