@@ -105,7 +105,7 @@ def run(args):
         torch=torch.__version__,
         date=datetime.date.today().isoformat(),
         bandwidth_gbps=bw,
-        cuda_native_solver=False,  # the threshold on CUDA is still the float64 PyTorch sort solver
+        cuda_threshold_solver="radix bracket (native; sample bracket not yet on the GPU)",
         rows=rows,
         paths=paths,
     )
