@@ -7,8 +7,8 @@
 #include <torch/types.h>
 
 #include "../common/cpu_rows.h"
-#include "../common/vjp_math.h"
 #include "../common/op_io.h"
+#include "../common/vjp_math.h"
 #include "../ops.h"
 
 namespace fastlapsum {
@@ -25,79 +25,79 @@ VjpSums row_sums(int64_t n, const Term& term) {
   return tot;
 }
 
+// Both VJPs: per row, reduce the elements' terms, turn the sums into the row's result
+// (grad_k, grad_t and d L / d s_i from an element's term), then write d L / d x_i.
+// term(r, i, b_s, t) gives element i's VjpTerm; solve(r, sums, b_s, t) the row's result.
+template <typename scalar_t, typename Term, typename Solve>
+void vjp_rows(BackwardIO& io, double sign, const Term& term, const Solve& solve) {
+  const int64_t rows = io.x.size(0), n = io.x.size(1);
+  const double* bp = io.b.const_data_ptr<double>();
+  const double* tp = io.t.const_data_ptr<double>();
+  double* gkp = io.gk.mutable_data_ptr<double>();
+  double* gtp = io.gt.mutable_data_ptr<double>();
+  scalar_t* op = io.gx.mutable_data_ptr<scalar_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const double br = sign * bp[r], tr = tp[r];
+      const auto element = [&](int64_t i) { return term(r, i, br, tr); };
+      const auto v = solve(r, row_sums(n, element), br, tr);
+      gkp[r] = v.grad_k;
+      gtp[r] = v.grad_t;
+      at::parallel_for(0, n, kPartSize, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          const VjpTerm e = element(i);
+          op[r * n + i] = static_cast<scalar_t>(sign * v.grad_score(e.G, e.tw));
+        }
+      });
+    }
+  });
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cpu(
     const at::Tensor& grad_in, const at::Tensor& x_in, const at::Tensor& b_in,
     const at::Tensor& t_in, bool largest, bool log_mode) {
-  auto [x, b, t, gx, gk, gt] = backward_io(x_in, b_in, t_in);
-  TORCH_CHECK(grad_in.sizes() == x.sizes(), "fastlapsum: grad must have the shape of x");
-  const at::Tensor g = grad_in.to(x.scalar_type()).contiguous();
-  const int64_t rows = x.size(0), n = x.size(1);
+  BackwardIO io = backward_io(x_in, b_in, t_in);
+  TORCH_CHECK(grad_in.sizes() == io.x.sizes(), "fastlapsum: grad must have the shape of x");
+  const at::Tensor g = grad_in.to(io.x.scalar_type()).contiguous();
   const double sign = largest ? 1.0 : -1.0;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "soft_topk_backward", [&] {
-    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+  const int64_t n = io.x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, io.x.scalar_type(), "soft_topk_backward", [&] {
+    const scalar_t* xp = io.x.const_data_ptr<scalar_t>();
     const scalar_t* gp = g.const_data_ptr<scalar_t>();
-    scalar_t* op = gx.mutable_data_ptr<scalar_t>();
-    const double* bp = b.const_data_ptr<double>();
-    const double* tp = t.const_data_ptr<double>();
-    double* gkp = gk.mutable_data_ptr<double>();
-    double* gtp = gt.mutable_data_ptr<double>();
-    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const Row<scalar_t> row{xp + r * n, n, sign};
-        const scalar_t* gr = gp + r * n;
-        const double br = sign * bp[r], tr = tp[r];
-        const auto term = [&](int64_t i) {
-          return vjp_term(row(i), br, tr, static_cast<double>(gr[i]), log_mode);
-        };
-        const MaskVjp v = mask_vjp(row_sums(n, term), br, tr);
-        gkp[r] = v.grad_k;
-        gtp[r] = v.grad_t;
-        at::parallel_for(0, n, kPartSize, [&](int64_t i0, int64_t i1) {
-          for (int64_t i = i0; i < i1; ++i) {
-            const VjpTerm e = term(i);
-            op[r * n + i] = static_cast<scalar_t>(sign * v.grad_score(e.G, e.tw));
-          }
-        });
-      }
-    });
+    vjp_rows<scalar_t>(
+        io, sign,
+        [&](int64_t r, int64_t i, double b, double t) {
+          return vjp_term(sign * static_cast<double>(xp[r * n + i]), b, t,
+                          static_cast<double>(gp[r * n + i]), log_mode);
+        },
+        [](int64_t, const VjpSums& s, double b, double t) { return mask_vjp(s, b, t); });
   });
-  return {gx, gk, gt};
+  return {io.gx, io.gk, io.gt};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cpu(
     const at::Tensor& grad_b_in, const at::Tensor& x_in, const at::Tensor& b_in,
     const at::Tensor& t_in, bool largest) {
-  auto [x, b, t, gx, gk, gt] = backward_io(x_in, b_in, t_in);
-  TORCH_CHECK(grad_b_in.numel() == x.size(0), "fastlapsum: grad_b needs one value per row");
+  BackwardIO io = backward_io(x_in, b_in, t_in);
+  TORCH_CHECK(grad_b_in.numel() == io.x.size(0), "fastlapsum: grad_b needs one value per row");
   const at::Tensor gb = grad_b_in.to(at::kDouble).contiguous();
-  const int64_t rows = x.size(0), n = x.size(1);
+  const double* gbp = gb.const_data_ptr<double>();
   const double sign = largest ? 1.0 : -1.0;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "threshold_backward", [&] {
-    const scalar_t* xp = x.const_data_ptr<scalar_t>();
-    scalar_t* op = gx.mutable_data_ptr<scalar_t>();
-    const double* gbp = gb.const_data_ptr<double>();
-    const double* bp = b.const_data_ptr<double>();
-    const double* tp = t.const_data_ptr<double>();
-    double* gkp = gk.mutable_data_ptr<double>();
-    double* gtp = gt.mutable_data_ptr<double>();
-    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const Row<scalar_t> row{xp + r * n, n, sign};
-        const double br = sign * bp[r], tr = tp[r];
-        const auto term = [&](int64_t i) { return vjp_term(row(i), br, tr, 0.0, false); };
-        const ThresholdVjp v = threshold_vjp(row_sums(n, term), gbp[r], br, tr, sign);
-        gkp[r] = v.grad_k;
-        gtp[r] = v.grad_t;
-        at::parallel_for(0, n, kPartSize, [&](int64_t i0, int64_t i1) {
-          for (int64_t i = i0; i < i1; ++i)
-            op[r * n + i] = static_cast<scalar_t>(v.scale * term(i).tw);
+  const int64_t n = io.x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, io.x.scalar_type(), "threshold_backward", [&] {
+    const scalar_t* xp = io.x.const_data_ptr<scalar_t>();
+    vjp_rows<scalar_t>(
+        io, sign,
+        [&](int64_t r, int64_t i, double b, double t) {
+          return vjp_term(sign * static_cast<double>(xp[r * n + i]), b, t, 0.0, false);
+        },
+        [&](int64_t r, const VjpSums& s, double b, double t) {
+          return threshold_vjp(s, gbp[r], b, t, sign);
         });
-      }
-    });
   });
-  return {gx, gk, gt};
+  return {io.gx, io.gk, io.gt};
 }
 
 }  // namespace fastlapsum

@@ -108,7 +108,7 @@ __global__ void threshold_vjp_apply_kernel(const double* __restrict__ grad_b, co
     }
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
          i += int64_t(gridDim.x) * blockDim.x)
-      gx[r * n + i] = static_cast<scalar_t>(v.scale * element_term<scalar_t>(nullptr, x, r * n + i, sign, br, tr, false).tw);
+      gx[r * n + i] = static_cast<scalar_t>(sign * v.grad_score(0.0, element_term<scalar_t>(nullptr, x, r * n + i, sign, br, tr, false).tw));
   }
 }
 

@@ -61,9 +61,10 @@ FLS_HD MaskVjp mask_vjp(const VjpSums& s, double b, double t) {
 }
 
 struct ThresholdVjp {
-  double scale;  // d L / d x_i = scale * tw_i
+  double scale;  // d L / d s_i = scale * tw_i
   double grad_k;
   double grad_t;
+  FLS_HD double grad_score(double /*G*/, double tw) const { return scale * tw; }
 };
 
 // b_s solves sum F((s_i - b_s)/t) = k: db_s/ds_i = w_i/W, db_s/dk = -1/W,
@@ -72,7 +73,7 @@ FLS_HD ThresholdVjp threshold_vjp(const VjpSums& s, double grad_b, double b, dou
                                   double sign) {
   if (b != b) return ThresholdVjp{NAN, NAN, NAN};
   if (!(s.tw > 0.0)) return ThresholdVjp{0, 0, 0};
-  return ThresholdVjp{grad_b / s.tw, -grad_b * sign * t / s.tw,
+  return ThresholdVjp{sign * grad_b / s.tw, -grad_b * sign * t / s.tw,
                       -grad_b * sign * s.twd / (t * s.tw)};
 }
 
