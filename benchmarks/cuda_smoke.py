@@ -24,4 +24,4 @@ for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
     print("   grad max|cpu-cuda|", (xc.grad - xg.grad.cpu()).abs().nan_to_num(0).max().item())
 v1, i1 = fastlapsum.topk(x.float(), 10, sorted=True)
 v2, i2 = fastlapsum.topk(x.float().cuda(), 10, sorted=True)
-print("topk values equal", torch.equal(v1, v2.cpu()))
+print("topk values equal (NaN == NaN)", torch.equal(v1.nan_to_num(), v2.cpu().nan_to_num()), "indices equal", torch.equal(i1, i2.cpu()))
