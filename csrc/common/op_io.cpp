@@ -1,6 +1,8 @@
 // Input checks and output allocation shared by the CPU and CUDA kernels of the soft ops.
 #include "op_io.h"
 
+#include "lapsum_math.h"
+
 namespace fastlapsum {
 
 void check_rows(const at::Tensor& x,
@@ -10,6 +12,16 @@ void check_rows(const at::Tensor& x,
   for (const auto& [v, message] : per_row)
     TORCH_CHECK(v->scalar_type() == at::kDouble && v->numel() == x.size(0) && v->device() == x.device(),
                 message);
+}
+
+ThresholdIO threshold_io(const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, int64_t method) {
+  check_rows(x, {{&k, kBadK}, {&t, kBadT}});
+  TORCH_CHECK(method >= kMethodAuto && method <= kMethodBracket,
+              "fastlapsum: method must be 0 (auto), 1 (sort) or 2 (bracket)");
+  const int64_t rows = x.size(0);
+  const auto f64 = x.options().dtype(at::kDouble);
+  return ThresholdIO{x.contiguous(), k.contiguous(), t.contiguous(), at::empty({rows}, f64),
+                     at::empty({rows}, f64), at::empty({rows, 3}, x.options().dtype(at::kLong))};
 }
 
 BackwardIO backward_io(const at::Tensor& x, const at::Tensor& b, const at::Tensor& t) {

@@ -22,6 +22,13 @@ constexpr const char* kBadB = FLS_PER_ROW("b");
 constexpr const char* kBadEdge = FLS_PER_ROW("edge");
 #undef FLS_PER_ROW
 
+// Checked inputs and allocated outputs of the threshold op (CPU and CUDA).
+struct ThresholdIO {
+  at::Tensor x, k, t;         // contiguous inputs
+  at::Tensor b, edge, diag;   // float64 [rows] twice, int64 [rows, 3]
+};
+ThresholdIO threshold_io(const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, int64_t method);
+
 struct BackwardIO {
   at::Tensor x, b, t;     // contiguous inputs
   at::Tensor gx, gk, gt;  // outputs: like x, and float64 [rows] for k and t

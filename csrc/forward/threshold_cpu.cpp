@@ -216,14 +216,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cpu(const at::Te
                                                                     const at::Tensor& k_in,
                                                                     const at::Tensor& t_in,
                                                                     bool largest, int64_t method) {
-  check_rows(x_in, {{&k_in, kBadK}, {&t_in, kBadT}});
-  TORCH_CHECK(method >= kMethodAuto && method <= kMethodBracket, "fastlapsum: method must be 0 (auto), 1 (sort) or 2 (bracket)");
-  const at::Tensor x = x_in.contiguous();
-  const at::Tensor k = k_in.contiguous(), t = t_in.contiguous();
+  ThresholdIO io = threshold_io(x_in, k_in, t_in, method);
+  // plain references, not a structured binding: lambdas below capture them (C++17 builds)
+  const at::Tensor &x = io.x, &k = io.k, &t = io.t;
+  at::Tensor &b = io.b, &edge = io.edge, &diag = io.diag;
   const int64_t rows = x.size(0), n = x.size(1);
-  at::Tensor b = at::empty({rows}, x.options().dtype(at::kDouble));
-  at::Tensor edge = at::empty({rows}, x.options().dtype(at::kDouble));
-  at::Tensor diag = at::empty({rows, 3}, x.options().dtype(at::kLong));
   const double sign = largest ? 1.0 : -1.0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "lapsum_threshold", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();

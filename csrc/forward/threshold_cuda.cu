@@ -271,14 +271,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cuda(const at::T
                                                                      const at::Tensor& k_in,
                                                                      const at::Tensor& t_in,
                                                                      bool largest, int64_t method) {
-  check_rows(x_in, {{&k_in, kBadK}, {&t_in, kBadT}});
-  TORCH_CHECK(method >= kMethodAuto && method <= kMethodBracket, "fastlapsum: method must be 0 (auto), 1 (sort) or 2 (bracket)");
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous(), k = k_in.contiguous(), t = t_in.contiguous();
+  ThresholdIO io = threshold_io(x_in, k_in, t_in, method);
+  // plain references, not a structured binding: lambdas below capture them (C++17 builds)
+  const at::Tensor &x = io.x, &k = io.k, &t = io.t;
+  at::Tensor &b = io.b, &edge = io.edge, &diag = io.diag;
   const int64_t rows = x.size(0), n = x.size(1);
-  const auto f64 = x.options().dtype(at::kDouble);
-  at::Tensor b = at::empty({rows}, f64), edge = at::empty({rows}, f64);
-  at::Tensor diag = at::empty({rows, 3}, x.options().dtype(at::kLong));
   if (rows == 0) return {b, edge, diag};
   // workspaces from the caching allocator; sizes depend on the shape only
   at::Tensor state = at::empty({rows * int64_t(sizeof(RadixRow))}, x.options().dtype(at::kByte));
