@@ -26,7 +26,7 @@ $(VENV)/.ready: requirements.txt requirements-torch.txt
 	  $(PYTHON) -m venv $(VENV) && $(VENV)/bin/pip install -q -r requirements-torch.txt; \
 	fi
 	@# offline machines already have these: only reach for pip when one is missing
-	$(PY) -c "import numpy, pytest, setuptools" 2>/dev/null || $(VENV)/bin/pip install -q -r requirements.txt
+	$(PY) -c "import numpy, pytest, setuptools, matplotlib" 2>/dev/null || $(VENV)/bin/pip install -q -r requirements.txt
 	@# make the in-tree package importable from the venv (an editable install without pip)
 	$(PY) -c "import os, sysconfig; open(os.path.join(sysconfig.get_path('purelib'), 'fastlapsum-dev.pth'), 'w').write(os.getcwd() + '\\n')"
 	touch $@
