@@ -1,25 +1,42 @@
 #!/usr/bin/env bash
-# Everything the GPU machine is for, in one call: build for the H200, run the whole
-# test suite (slow tests too), the demo and the benchmarks. Logs and JSON go to $OUT.
-#   device run:  bash benchmarks/gpu_check.sh            (STEPS="build test demo bench")
+# Everything the GPU machine is for, in one call: build for the H200, run the test suite
+# (slow tests too), the demo, the benchmarks and the examples on CUDA. Logs, JSON and
+# plots go to $OUT, packed into $OUT/gpu_check.tgz (the device tool brings back only a
+# few files) next to summary.txt.
+#   device run:  bash benchmarks/gpu_check.sh     (STEPS="build test demo bench bench_hard")
+# Knobs: STEPS (also profile, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
+# PYTEST_EXTRA, BENCH_ARGS, BENCH_HARD_ARGS, TP_ARGS, GS_ARGS, L0_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fastlapsum_gpu_out}
-mkdir -p "$OUT"
+mkdir -p "$OUT/logs"
+L=$OUT/logs
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} FASTLAPSUM_CUDA=${FASTLAPSUM_CUDA:-1}
 export PYTHONUNBUFFERED=1
-STEPS=${STEPS:-"build test demo bench"}
-PY=.venv/bin/python
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+STEPS=${STEPS:-"build test demo bench bench_hard"}
+PY=${PY:-.venv/bin/python}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } > "$L/env.txt" 2>&1
+cat "$L/env.txt"
 status=0
+run() {  # run NAME TIMEOUT CMD...: log to $L/NAME.log, show its tail
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$limit" "$@" > "$L/$name.log" 2>&1 || { echo "!!! $name failed ($?)"; status=1; }
+  tail -${TAIL:-30} "$L/$name.log"
+}
 for step in $STEPS; do
-  echo "=== $step ($(date +%T))"
   case $step in
-    build) make build > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }; tail -3 "$OUT/build.log" ;;
-    test)  timeout "${TEST_TIMEOUT:-420}" $PY -m pytest tests -q -rs ${PYTEST_EXTRA:-} > "$OUT/tests.log" 2>&1 || status=1; tail -25 "$OUT/tests.log" ;;
-    demo)  timeout 300 $PY examples/demo.py > "$OUT/demo.log" 2>&1 || status=1; cat "$OUT/demo.log" ;;
-    bench) timeout "${BENCH_TIMEOUT:-420}" $PY benchmarks/bench_soft_topk.py ${BENCH_ARGS:-} --out "$OUT/soft_topk_h200.json" > "$OUT/bench_soft.log" 2>&1 || status=1; cat "$OUT/bench_soft.log" ;;
+    build) run build 900 make build || true; [ -f fastlapsum/_C*.so ] || { tar czf "$OUT/gpu_check.tgz" -C "$OUT" logs; exit 1; } ;;
+    test) run tests "${TEST_TIMEOUT:-420}" $PY -m pytest ${TEST_PATHS:-tests} -q -rs ${PYTEST_EXTRA:-} ;;
+    demo) run demo 300 $PY examples/demo.py ;;
+    bench) run bench_soft "${BENCH_TIMEOUT:-420}" $PY benchmarks/bench_soft_topk.py ${BENCH_ARGS:-} --out "$L/soft_topk_h200.json" ;;
+    bench_hard) run bench_hard "${BENCH_TIMEOUT:-420}" $PY benchmarks/bench_hard_topk.py ${BENCH_HARD_ARGS:-} --out "$L/hard_topk_h200.json" ;;
+    profile) run profile 120 $PY benchmarks/profile_soft_topk.py --sizes 1e6 1e8 ;;
+    token_pruning) run token_pruning "${EXAMPLE_TIMEOUT:-420}" $PY examples/token_pruning/train.py --device cuda --out "$L/token_pruning" ${TP_ARGS:-} ;;
+    gaussian_splatting) run gaussian_splatting "${EXAMPLE_TIMEOUT:-420}" $PY examples/gaussian_splatting/train.py --device cuda --scene large --out "$L/gaussian_splatting" ${GS_ARGS:-} ;;
+    l0_attack) run l0_attack "${EXAMPLE_TIMEOUT:-420}" $PY examples/l0_attack/attack.py --device cuda --megapixel --out "$L/l0_attack" ${L0_ARGS:-} ;;
   esac
 done
+grep -h "passed\|failed\|error" "$L"/tests.log 2>/dev/null | tail -3 > "$OUT/summary.txt"
+tar czf "$OUT/gpu_check.tgz" -C "$OUT" logs && rm -rf "$L"
 exit $status

@@ -43,6 +43,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cuda(const at::T
                                                                      const at::Tensor& k,
                                                                      const at::Tensor& t,
                                                                      bool largest, int64_t method);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_forward_cuda(
+    const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest, int64_t method,
+    int64_t mode);
 at::Tensor lapsum_mask_cuda(const at::Tensor& x, const at::Tensor& b, const at::Tensor& t,
                             const at::Tensor& edge, bool largest, bool log_mode);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cuda(
@@ -51,6 +54,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cuda(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cuda(
     const at::Tensor& grad_b, const at::Tensor& x, const at::Tensor& b, const at::Tensor& t,
     bool largest);
+// Exact hard top-k (csrc/hard_topk/topk_cuda.cu); lengths read on the device.
+std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x, int64_t k, bool largest,
+                                             bool sorted, const std::optional<at::Tensor>& lengths);
+// hard=true mask on the GPU: exactly round(k_r) ones per row (smaller index wins ties);
+// k float64 [rows] on x's device, a NaN row where k_r is not an integer in [0, n].
+at::Tensor hard_mask_cuda(const at::Tensor& x, const at::Tensor& k, bool largest);
 #endif
 
 }  // namespace fastlapsum

@@ -1,5 +1,4 @@
-"""The custom ops' Python side: fake (meta) kernels, autograd formulas, and the CUDA
-kernels that are still composed from PyTorch ops.
+"""The custom ops' Python side: fake (meta) kernels and autograd formulas.
 
 The schemas live in csrc/ops.cpp. Every op works on [rows, n] tensors with the
 selection dim last; fastlapsum/functional.py does the reshaping and validation.
@@ -9,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from . import _C  # noqa: F401  (loads the op library)
-from . import reference
 
 ops = torch.ops.fastlapsum
 F64 = torch.float64
@@ -126,60 +124,5 @@ def _backward_topk(ctx, grad_values, grad_indices):
 torch.library.register_autograd("fastlapsum::topk", _backward_topk, setup_context=_setup_topk)
 
 
-# ---- CUDA kernels composed from PyTorch ops (until the native selectors land) --------
-# On CUDA the threshold, the mask and the VJPs are native kernels (csrc/*/*_cuda.cu);
-# the hard selections below (straight-through mask, topk) use a stable sort for now.
-
-@torch.library.register_kernel("fastlapsum::soft_topk_forward", "cuda")
-def _(x, k, t, largest, method, mode):
-    b, edge, diag = ops.lapsum_threshold(x, k, t, largest, method)
-    if mode == MODE_HARD:
-        p = _hard_mask_composite(x, k, largest).masked_fill(b.isnan()[:, None], float("nan"))
-    else:
-        p = ops.lapsum_mask(x, b, t, edge, largest, mode == MODE_LOG)
-    return p, b, diag
-
-
-def _order_desc(x, largest):
-    """Row-wise permutation: best first, NaN above +inf, smaller index first on ties."""
-    key = x.to(F64)
-    key = torch.where(key.isnan(), torch.full_like(key, float("inf")), key)
-    nan_first = x.isnan().to(torch.int8)
-    if not largest:
-        key = -key
-        nan_first = -nan_first
-    # stable sorts: secondary key first (value), then primary (NaN flag)
-    order = key.sort(dim=1, descending=True, stable=True).indices
-    flag = nan_first.gather(1, order)
-    return order.gather(1, flag.sort(dim=1, descending=True, stable=True).indices)
-
-
-def _hard_mask_composite(x, k, largest):
-    order = _order_desc(x, largest)
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(x.shape[1], device=x.device).expand_as(order))
-    keep = rank < k.round()[:, None]
-    ok = (k == k.round()) & (k >= 0) & (k <= x.shape[1])
-    p = keep.to(x.dtype)
-    return torch.where(ok[:, None], p, torch.full_like(p, float("nan")))
-
-
-@torch.library.register_kernel("fastlapsum::topk", "cuda")
-def _(x, k, largest, sorted, lengths):
-    rows, n = x.shape
-    xm = x
-    if lengths is not None:
-        # invalid suffix: worst possible, and NaN there must not rank above valid scores
-        invalid = torch.arange(n, device=x.device)[None, :] >= lengths.to(torch.int64)[:, None]
-        xm = torch.where(invalid, torch.full_like(x, float("-inf") if largest else float("inf")), x)
-    order = _order_desc(xm, largest)
-    if lengths is not None:
-        # push invalid positions behind every valid one, keeping order otherwise
-        inv = invalid.gather(1, order).to(torch.int8)
-        order = order.gather(1, inv.sort(dim=1, stable=True).indices)
-    idx = order[:, :k].contiguous()
-    values = x.gather(1, idx)
-    if lengths is not None:
-        pad = torch.arange(k, device=x.device)[None, :] >= lengths.to(torch.int64)[:, None]
-        idx = torch.where(pad, -1, idx)
-        values = torch.where(pad, torch.full_like(values, float("-inf") if largest else float("inf")), values)
-    return values, idx
+# On CUDA every op is a native kernel (csrc/*/*_cuda.cu): soft_topk_forward fuses the
+# threshold and the mask for short rows and takes its hard mask from the exact selector.

@@ -32,6 +32,40 @@ def median_ms(fn: Callable[[], object], device: str | torch.device = "cpu", *, w
     return statistics.median(times)
 
 
+def capture_graph(fn: Callable[[], object], *, warmup: int = 2):
+    """Warm fn up on a side stream, then capture one call in a CUDA graph.
+    Returns (graph, outputs of the captured call); graph.replay() reruns it in place."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def graph_median_ms(fn: Callable[[], object], *, reps: int = 20) -> float:
+    """Device time of fn on CUDA: captured once in a CUDA graph, then the median over
+    replays. Leaves out the host's launch overhead, which dominates eager timings of
+    small inputs (eager and graph times are both worth reporting)."""
+    graph, _ = capture_graph(fn)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times)
+
+
 def copy_bandwidth_gbps(device: str | torch.device, nbytes: int = 1 << 30) -> float:
     """Device read+write bandwidth from a large copy, in GB/s (for the byte floor)."""
     n = nbytes // 4

@@ -58,9 +58,12 @@ def test_lapsum_threshold(device, dtype, largest):
     x, k, t = sample(device, dtype, requires_grad=True)
     opcheck(ops.lapsum_threshold, (x, k, t, largest, 0))
     b, edge, diag = ops.lapsum_threshold(x, k, t, largest, 0)
-    for method in (1, 2):  # forcing a solver must not change the answer
+    # forcing a solver must not change the answer (beyond the b error the fp32
+    # exponentials of the GPU passes admit for fp32 scores: <= ~2.4e-7 t)
+    b_tol = 1e-12 if dtype == F64 or device == "cpu" else 1e-6
+    for method in (1, 2):
         bm, em, _ = ops.lapsum_threshold(x, k, t, largest, method)
-        torch.testing.assert_close(bm, b, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(bm, b, rtol=b_tol, atol=b_tol * t.max().item())
         torch.testing.assert_close(em, edge)
     assert b.dtype == F64 and b.shape == (5,) and diag.shape == (5, 3) and diag.dtype == torch.int64
     rb, redge = reference.lapsum_threshold_reference(signed(x.detach(), largest), k.detach(), t.detach())

@@ -19,7 +19,7 @@ import fastlapsum as fl
 from fastlapsum import reference
 
 import conftest
-from conftest import BUDGET_TOL, budget_error
+from conftest import BUDGET_TOL, budget_error, mask_floor
 
 
 @contextlib.contextmanager
@@ -88,7 +88,7 @@ def mask_tolerance(dtype, p_ref, b, t, tw, k):
     budget bound of DESIGN §1.2 admits (|db| = 1e-12 max(k, 1) / W), both times the
     largest density 1/(2t). Capped at 1e-9 so that nearly hard masks are still compared.
     """
-    sp = (p_ref.to(dtype).double() - p_ref).abs().max().item()
+    sp = mask_floor(p_ref, dtype)
     tol = 4 * sp + (1e-15 if dtype == torch.float64 else 1e-12)
     if dtype == torch.float64:
         bb = abs(b) if math.isfinite(b) else 0.0
@@ -178,7 +178,7 @@ def test_same_precision_helper_agrees(device):
     """The tolerance here uses the same quantity as conftest.same_precision_error."""
     x = scores(300, torch.float32, device, seed=11)
     _, p_ref, _ = oracle_rows(x[None], 37.5, 0.5)
-    sp = (p_ref[0].float().double() - p_ref[0]).abs().max().item()
+    sp = mask_floor(p_ref[0], torch.float32)
     assert sp == pytest.approx(same_precision_error(x.cpu(), 37.5, 0.5), rel=0, abs=0)
     assert sp > 0
 
@@ -291,7 +291,7 @@ def test_half_precision_inputs(device, dtype, method, rows, n):
         assert p.dtype == dtype and p.shape == x.shape
         assert budget_error(p, k).item() <= BUDGET_TOL[dtype], (k, t)
         ref = soft_topk_reference(x.cpu(), k, t)  # oracle on the same (rounded) scores
-        sp = (ref.to(dtype).double() - ref).abs().max().item()  # = same_precision_error
+        sp = mask_floor(ref, dtype)  # = same_precision_error
         err = (p.double().cpu() - ref).abs().max().item()
         assert err <= 4 * sp + 1e-12, (k, t, err, sp)
 
@@ -361,6 +361,8 @@ def test_lapsum_threshold_matches_reference(device, dtype, largest, method):
         # b to a few ulps, plus the threshold error the fp64 budget bound admits:
         # 1e-12 max(k, 1) / W with W = sum w_i = tw / t (DESIGN §1.2)
         tol = 16 * EPS64 * (1 + abs(b_ref[r].item())) + 1e-12 * max(k[r].item(), 1) * t[r].item() / tw[r].item()
+        if device != "cpu" and dtype != torch.float64:
+            tol += 1e-6 * t[r].item()  # the GPU's fp32 exponentials (<= 2 ulp) move b by <= ~2.4e-7 t
         assert abs(b[r].item() - sign * b_ref[r].item()) <= tol, (r, b[r].item(), sign * b_ref[r].item(), tol)
 
 

@@ -17,7 +17,7 @@ import torch
 import fastlapsum as fl
 from fastlapsum import reference
 
-from conftest import BUDGET_TOL, budget_error
+from conftest import BUDGET_TOL, DEVICES, budget_error, mask_floor
 
 EPS64 = torch.finfo(torch.float64).eps
 INF = math.inf
@@ -159,7 +159,7 @@ def oracle(x, k, t):
 def mask_tol(dtype, p_ref, b, t, tw, k):
     """Same rule as tests/test_soft_topk.py: 4x the same-precision error, plus for fp64
     the threshold error admitted by the fp64 budget bound (capped at 1e-9)."""
-    sp = (p_ref.to(dtype).double() - p_ref).abs().max().item()
+    sp = mask_floor(p_ref, dtype)
     tol = 4 * sp + (1e-15 if dtype == torch.float64 else 1e-12)
     if dtype == torch.float64:
         bb = abs(b) if math.isfinite(b) else 0.0
@@ -229,12 +229,16 @@ def _check_exact(x, k, t, method):
     assert (p.double().cpu() - p_ref).abs().max().item() <= mask_tol(x.dtype, p_ref, b_ref, t, tw, k)
 
 
-# The sort and sample-bracket paths exist in the CPU engine only so far; the CUDA engine
-# solves every row with the radix bracket (the tests of that path run on both).
-SORT_AND_BRACKET_DEVICES = ["cpu"]
+# Both engines run the certified sample bracket. How a solver is *chosen* differs: on
+# CUDA, auto and sort solve rows of up to 4096 scores on chip with the sort solver and
+# longer rows with the bracket (auto) or the exact radix bracket (sort); the CPU switches
+# at its measured crossover and sorts rows of any length. The CUDA engine does not widen
+# and retry: a bracket that fails goes straight to the radix bracket.
+BRACKET_DEVICES = DEVICES
+CPU_SOLVER_CHOICE = ["cpu"]
 
 
-@pytest.mark.parametrize("device", SORT_AND_BRACKET_DEVICES)
+@pytest.mark.parametrize("device", BRACKET_DEVICES)
 @pytest.mark.parametrize("method", ["bracket", "auto"])
 def test_gaussian_row_takes_the_bracket_first_try(device, method):
     n = 50000
@@ -250,7 +254,7 @@ def test_gaussian_row_takes_the_bracket_first_try(device, method):
         _check_exact(x, k, t, method)
 
 
-@pytest.mark.parametrize("device", SORT_AND_BRACKET_DEVICES)
+@pytest.mark.parametrize("device", BRACKET_DEVICES)
 def test_batch_of_gaussian_rows_bracket_each_row(device):
     x = torch.randn(8, 40000, generator=_gen(21)).to(device)
     info = fl.lapsum_diagnostics(x, 2500.0, 0.5, method="bracket")
@@ -260,7 +264,7 @@ def test_batch_of_gaussian_rows_bracket_each_row(device):
 
 
 @pytest.mark.skipif(AUTO_BRACKET_MIN_N is None, reason="csrc/forward/threshold_cpu.cpp not found")
-@pytest.mark.parametrize("device", SORT_AND_BRACKET_DEVICES)
+@pytest.mark.parametrize("device", CPU_SOLVER_CHOICE)
 def test_auto_switches_solver_at_the_crossover(device):
     """auto: sort below kAutoBracketMinN finite scores, bracket from there on; the
     count is of finite scores (infinities do not count)."""
@@ -299,7 +303,8 @@ def test_constant_row_falls_back_to_radix(device, k):
     assert budget_error(p, k).item() <= BUDGET_TOL[torch.float32]
     bt = fl.lapsum_threshold(x, k, 1.0, method="bracket").item()
     bs = fl.lapsum_threshold(x, k, 1.0, method="sort").item()
-    assert abs(bt - bs) <= 1e-12 * (1 + abs(bs))
+    # fp32 scores on the GPU: fp32 exponentials in the row passes move b by <= ~2.4e-7 t
+    assert abs(bt - bs) <= (1e-12 * (1 + abs(bs)) if device == "cpu" else 1e-6), (bt, bs)
 
 
 def test_constant_row_with_infinities_radix(device):
@@ -407,7 +412,7 @@ def test_periodic_row_missed_huge_values_retry(device):
     _check_exact(x, k, 1.0, "bracket")
 
 
-@pytest.mark.parametrize("device", SORT_AND_BRACKET_DEVICES)
+@pytest.mark.parametrize("device", CPU_SOLVER_CHOICE)
 def test_sort_method_reports_sort(device):
     x = torch.randn(3, 30000, generator=_gen(26), dtype=torch.float64)
     x[1, :10] = INF

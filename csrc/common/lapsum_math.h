@@ -54,10 +54,55 @@ FLS_HD double lapsum_prob(double s, double b, double t, double edge) {
   return laplace_cdf((s - b) / t);
 }
 
+// e^u in fp32 arithmetic for u <= 0 (GPU kernels with fp32/fp16/bf16 scores): the fp64
+// argument is rounded to fp32 and that rounding corrected to first order, so the result
+// carries only expf's own error (<= 2 ulp), at a fraction of an fp64 exp's cost.
+FLS_HD float exp_f(double u) {
+  if (u < -104.0) return 0.0f;  // expf underflows to 0 there anyway
+  const float uf = static_cast<float>(u);
+  const float du = static_cast<float>(u - static_cast<double>(uf));
+  const float e = expf(uf);
+  return fmaf(e, du, e);  // e^{uf} (1 + du), one rounding
+}
+
+// The mask value for a low-precision output: u = (s - b)/t in fp64 (an fp32 b alone
+// moves the budget when |b| >> t), the exponential with exp_f.
+FLS_HD float lapsum_prob_f(double s, double b, double t, double edge) {
+  if (b == INFINITY) return s == INFINITY ? static_cast<float>(edge) : 0.0f;
+  if (b == -INFINITY) return s == -INFINITY ? static_cast<float>(edge) : 1.0f;
+  const double u = (s - b) / t;
+  return u <= 0.0 ? 0.5f * exp_f(u) : 1.0f - 0.5f * exp_f(-u);
+}
+
 FLS_HD double lapsum_log_prob(double s, double b, double t, double edge) {
   if (b == INFINITY) return s == INFINITY ? log(edge) : -INFINITY;
   if (b == -INFINITY) return s == -INFINITY ? log(edge) : 0.0;
   return laplace_log_cdf((s - b) / t);
+}
+
+// Rows with no interior root (DESIGN §1, §6), from the row's non-finite counts: a NaN
+// score, an invalid k or t (b = NaN); the budget used up by the +inf scores (b = +inf,
+// `edge` = the mass each +inf score gets) or needing the -inf ones (b = -inf). Returns
+// false when the finite scores must be solved, with the budget left for them (0 < kf <
+// #finite).
+FLS_HD bool settle_row(double k, double t, double n, double nan, double pinf, double ninf,
+                       double* b, double* edge, double* kf) {
+  *b = NAN;
+  *edge = NAN;
+  *kf = k - pinf;
+  if (!(k >= 0.0 && k <= n) || !(t > 0.0) || !is_finite(t) || nan > 0.0) return true;
+  if (k <= pinf) {
+    *b = INFINITY;
+    *edge = pinf > 0.0 ? k / pinf : 0.0;
+    return true;
+  }
+  if (k >= n - ninf) {
+    *b = -INFINITY;
+    *edge = ninf > 0.0 ? (k - (n - ninf)) / ninf : 1.0;
+    return true;
+  }
+  *edge = 1.0;
+  return false;
 }
 
 // The budget curve restricted to one interval [lo, hi] that holds no score in its
@@ -140,6 +185,14 @@ FLS_HD double laplace_noise(uint32_t s) {
   const double u = (static_cast<double>(mix32(s * 2654435761u + 0x9e3779b9u)) + 0.5) *
                    (1.0 / 4294967296.0);  // in (0, 1)
   return u < 0.5 ? log(2.0 * u) : -log(2.0 * (1.0 - u));
+}
+
+// The same noise in fp32 arithmetic, for the GPU's sample (only the bracket's width
+// depends on it; an fp64 log per sample would dominate the proposal kernel).
+FLS_HD float laplace_noise_f(uint32_t s) {
+  const float u = (static_cast<float>(mix32(s * 2654435761u + 0x9e3779b9u) >> 8) + 0.5f) *
+                  (1.0f / 16777216.0f);  // in (0, 1)
+  return u < 0.5f ? logf(2.0f * u) : -logf(2.0f * (1.0f - u));
 }
 
 }  // namespace fastlapsum

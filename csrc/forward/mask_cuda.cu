@@ -4,6 +4,7 @@
 
 #include "../common/cuda_launch.cuh"
 #include "../common/lapsum_math.h"
+#include "gpu_keys.cuh"
 #include "../common/op_io.h"
 #include "../ops.h"
 
@@ -21,7 +22,7 @@ __global__ void lapsum_mask_kernel(const scalar_t* __restrict__ x, const double*
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
          i += int64_t(gridDim.x) * blockDim.x) {
       const double s = sign * static_cast<double>(xr[i]);
-      pr[i] = static_cast<scalar_t>(kLog ? lapsum_log_prob(s, br, tr, er) : lapsum_prob(s, br, tr, er));
+      pr[i] = static_cast<scalar_t>(kLog ? lapsum_log_prob(s, br, tr, er) : mask_prob<scalar_t>(s, br, tr, er));
     }
   }
 }

@@ -192,18 +192,13 @@ RowSolution solve_bracket(const Row<scalar_t>& row, int64_t row_index, int64_t f
 template <typename scalar_t>
 RowSolution solve_row(const Row<scalar_t>& row, int64_t row_index, double k, double t,
                       int64_t method) {
-  const double n = static_cast<double>(row.n);
-  if (!(k >= 0.0 && k <= n) || !(t > 0.0) || !std::isfinite(t))
-    return RowSolution{NAN, NAN, kPathDirect, 0, 0};
-  const Counts c = count_nonfinite(row);
-  if (c.nan > 0) return RowSolution{NAN, NAN, kPathDirect, 0, 0};
-  const double pinf = static_cast<double>(c.pinf), ninf = static_cast<double>(c.ninf);
+  const bool valid = k >= 0.0 && k <= static_cast<double>(row.n) && t > 0.0 && std::isfinite(t);
+  const Counts c = valid ? count_nonfinite(row) : Counts{};
+  double b, edge, kf;
+  if (settle_row(k, t, static_cast<double>(row.n), static_cast<double>(c.nan), static_cast<double>(c.pinf),
+                 static_cast<double>(c.ninf), &b, &edge, &kf))
+    return RowSolution{b, edge, kPathDirect, 0, 0};
   const int64_t finite = row.n - c.pinf - c.ninf;
-  // No interior root: the budget is used up by the +inf scores, or needs the -inf ones.
-  if (k <= pinf) return RowSolution{INFINITY, pinf > 0 ? k / pinf : 0.0, kPathDirect, 0, 0};
-  if (k >= n - ninf)
-    return RowSolution{-INFINITY, ninf > 0 ? (k - (n - ninf)) / ninf : 1.0, kPathDirect, 0, 0};
-  const double kf = k - pinf;  // budget left for the finite scores, 0 < kf < finite
   const bool bracket =
       method == kMethodBracket || (method == kMethodAuto && finite >= kAutoBracketMinN);
   if (bracket) return solve_bracket(row, row_index, finite, kf, t);

@@ -1,0 +1,39 @@
+"""Per-kernel device times of fastlapsum.soft_topk (forward and backward) on CUDA, from
+torch.profiler: where the time of one call goes. Prints one table per size.
+
+    python benchmarks/profile_soft_topk.py --sizes 1e6 1e8
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import fastlapsum
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", nargs="*", type=float, default=[1e6, 1e8])
+    ap.add_argument("--method", default="auto")
+    args = ap.parse_args()
+    for nf in args.sizes:
+        n = int(nf)
+        x = torch.randn(1, n, device="cuda").requires_grad_()
+        g = torch.randn_like(x)
+        k = torch.full((1,), n / 16, dtype=torch.float64, device="cuda")
+        t = torch.ones(1, dtype=torch.float64, device="cuda")
+        for _ in range(3):
+            fastlapsum.soft_topk(x, k, t, method=args.method).backward(g)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fastlapsum.soft_topk(x, k, t, method=args.method).backward(g)
+            torch.cuda.synchronize()
+        print(f"==== n = {n:,} ({args.method}), 5 forward+backward calls")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+// Order-preserving keys of the scores on the GPU, by score type: 32-bit for fp32, fp16
+// and bf16 (their values are floats), 64-bit for fp64. Shared by the threshold kernels.
+#pragma once
+
+#include <cfloat>
+#include <cstdint>
+#include <type_traits>
+
+#include "../common/lapsum_math.h"
+
+namespace fastlapsum {
+
+template <typename scalar_t>
+struct KeyTraits {
+  using Key = uint32_t;
+  static constexpr int kBits = 32;
+  __device__ static Key key(double s) { return float_key(static_cast<float>(s)); }
+  // The key of the smallest and largest finite score.
+  __device__ static Key min_key() { return float_key(-FLT_MAX); }
+  __device__ static Key max_key() { return float_key(FLT_MAX); }
+  __device__ static double value(Key k) { return static_cast<double>(key_to_float(k)); }
+};
+
+template <>
+struct KeyTraits<double> {
+  using Key = uint64_t;
+  static constexpr int kBits = 64;
+  __device__ static Key key(double s) { return double_key(s); }
+  __device__ static Key min_key() { return double_key(-DBL_MAX); }
+  __device__ static Key max_key() { return double_key(DBL_MAX); }
+  __device__ static double value(Key k) { return key_to_double(k); }
+};
+
+// The exponentials of the per-element passes: fp64 for fp64 scores; fp32 (exp_f, ~2 ulp)
+// for fp32/fp16/bf16 scores, whose budget bound (1e-6) that meets with room to spare and
+// whose fp64 exponentials would make the passes compute-bound. Sums stay fp64.
+template <typename scalar_t>
+__device__ __forceinline__ double exp_term(double u) {
+  if constexpr (std::is_same<scalar_t, double>::value) return exp(u);
+  else return static_cast<double>(exp_f(u));
+}
+
+template <typename scalar_t>
+__device__ __forceinline__ double mask_prob(double s, double b, double t, double edge) {
+  if constexpr (std::is_same<scalar_t, double>::value) return lapsum_prob(s, b, t, edge);
+  else return static_cast<double>(lapsum_prob_f(s, b, t, edge));
+}
+
+// min for block reductions of positions (cub::Min is gone from recent CUB).
+struct MinInt {
+  __device__ int operator()(int a, int b) const { return a < b ? a : b; }
+};
+
+// Elements per 16-byte vector load.
+template <typename scalar_t>
+constexpr int vec_width() {
+  return static_cast<int>(16 / sizeof(scalar_t));
+}
+
+// Loads elements [i0, i0 + V) of a row (those below n) as doubles, with one 16-byte load
+// when the row is aligned and the vector is whole. Returns how many are valid.
+template <typename scalar_t, int V>
+__device__ __forceinline__ int load_vec(const scalar_t* __restrict__ row, int64_t n, int64_t i0,
+                                        bool aligned, double (&v)[V]) {
+  if (aligned && i0 + V <= n) {
+    union {
+      uint4 raw;
+      scalar_t s[V];
+    } u;
+    u.raw = __ldg(reinterpret_cast<const uint4*>(row + i0));
+#pragma unroll
+    for (int q = 0; q < V; ++q) v[q] = static_cast<double>(u.s[q]);
+    return V;
+  }
+  int valid = 0;
+#pragma unroll
+  for (int q = 0; q < V; ++q)
+    if (i0 + q < n) {
+      v[q] = static_cast<double>(row[i0 + q]);
+      ++valid;
+    }
+  return valid;
+}
+
+}  // namespace fastlapsum

@@ -1,0 +1,24 @@
+// Internal entry points of the CUDA threshold solvers, shared by the threshold op
+// (threshold_cuda.cu) and the fused forward (forward_cuda.cu).
+#pragma once
+
+#include <torch/types.h>
+
+namespace fastlapsum {
+
+// Rows up to this length are solved on chip, one CTA per row (short_rows_cuda.cu).
+constexpr int64_t kShortRowMax = 4096;
+
+// The sort solver of DESIGN §1.1 for rows of n <= kShortRowMax: sort in shared memory,
+// closed-form scan as a block-wide parallel scan. Writes b, edge and diag; when p is
+// given, also the soft (or log) mask in the same kernel.
+void solve_short_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest,
+                           at::Tensor& b, at::Tensor& edge, at::Tensor& diag, at::Tensor* p,
+                           bool log_mode);
+
+// The certified sample bracket of DESIGN §1.2 for rows of any length (sort=true: the
+// exact radix bracket alone). Writes b, edge and diag.
+void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest,
+                          bool sort, at::Tensor& b, at::Tensor& edge, at::Tensor& diag);
+
+}  // namespace fastlapsum
