@@ -3,27 +3,17 @@
 Checks that every expert of the expert-choice MoE gets exactly C tokens, that the pruned
 model's later blocks run on exactly K patch tokens, and that outputs are finite.
 """
-import importlib.util
 import json
 import math
-import os
-import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-EXAMPLE = os.path.join(HERE, "..", "examples", "token_pruning")
+from conftest import load_example
+
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(f"token_pruning_{name}", os.path.join(EXAMPLE, f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, EXAMPLE)  # train.py imports model.py from its own folder
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(EXAMPLE)
-    return mod
+    return load_example("token_pruning", name)
 
 
 def test_quick_run_invariants(tmp_path):
