@@ -165,9 +165,6 @@ def test_topk_large_shapes(shape, k):
 
 # ---- CUDA graphs -------------------------------------------------------------------------
 
-
-
-
 @pytest.mark.parametrize("n", [1000, 5000])  # the on-chip path and the bracket
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_soft_topk(dtype, n):

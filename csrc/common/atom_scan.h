@@ -57,7 +57,6 @@ FLS_HD void atom_merge(Atom& a, const Atom& b, double t) {
 
 struct ScanResult {
   double b;        // the root, when found
-  double gap_lo, gap_hi;  // the score-free interval it was solved on
   int64_t inside;  // -1, or the index of the range atom that holds the root
   Tail above;      // tails around that atom, for the refinement
   Tail below;
@@ -87,9 +86,9 @@ FLS_HD ScanResult scan_atoms(AtomAt atom_at, int64_t P, Tail above, Tail below, 
     if (j == P || psi_at_lo(C, A, B, hi, lo, t) >= k) {
       if (j > 0 && prev.lo < prev.hi && psi_at_hi(C, A, B, hi, lo, t) > k) {
         // Psi(prev.hi) < k < Psi(prev.lo): the root lies inside the previous atom.
-        return ScanResult{0.0, 0.0, 0.0, j - 1, Tail{C_prev, A_prev, hi_prev}, Tail{0.0, B, lo}};
+        return ScanResult{0.0, j - 1, Tail{C_prev, A_prev, hi_prev}, Tail{0.0, B, lo}};
       }
-      return ScanResult{solve_interval(C, A, B, hi, lo, k, t), lo, hi, -1, Tail{}, Tail{}};
+      return ScanResult{solve_interval(C, A, B, hi, lo, k, t), -1, Tail{}, Tail{}};
     }
     C_prev = C; A_prev = A; hi_prev = hi;
     A = (A > 0.0 ? A * exp((a.lo - hi) / t) : 0.0) + a.U;
@@ -97,7 +96,7 @@ FLS_HD ScanResult scan_atoms(AtomAt atom_at, int64_t P, Tail above, Tail below, 
     hi = a.lo;
     prev = a;
   }
-  return ScanResult{NAN, NAN, NAN, -1, Tail{}, Tail{}};  // unreachable
+  return ScanResult{NAN, -1, Tail{}, Tail{}};  // unreachable
 }
 
 }  // namespace fastlapsum

@@ -117,14 +117,22 @@ __device__ inline int bin_shift(uint64_t lo, uint64_t hi) {
   return shift;
 }
 
+// Keys [first, last] of bin `bin` of the range [lo, hi]: 2^shift keys, the last bin cut at hi.
+struct BinKeys {
+  uint64_t first, last;
+};
+__device__ inline BinKeys bin_keys(uint64_t lo, uint64_t hi, int shift, int bin) {
+  const uint64_t first = lo + (static_cast<uint64_t>(bin) << shift);
+  const uint64_t last_full = first + ((uint64_t(1) << shift) - 1);
+  return BinKeys{first, last_full > hi || last_full < first ? hi : last_full};
+}
+
 template <typename KT>
 __device__ inline Atom bin_atom(const BinSums& h, uint64_t lo, uint64_t hi, int shift, int bin) {
   if (h.count == 0) return Atom{0, 0, 0, 0, 0};
   using Key = typename KT::Key;
-  const uint64_t first = lo + (static_cast<uint64_t>(bin) << shift);
-  const uint64_t last_full = first + ((uint64_t(1) << shift) - 1);
-  const uint64_t last = last_full > hi || last_full < first ? hi : last_full;
-  return Atom{KT::value(Key(first)), KT::value(Key(last)), static_cast<double>(h.count), h.U, h.L};
+  const BinKeys b = bin_keys(lo, hi, shift, bin);
+  return Atom{KT::value(Key(b.first)), KT::value(Key(b.last)), static_cast<double>(h.count), h.U, h.L};
 }
 
 // ---- propose ------------------------------------------------------------------------------
@@ -270,12 +278,10 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
         return false;
       }
       const int bin = static_cast<int>((key - lo) >> shift);
-      const uint64_t first = lo + (static_cast<uint64_t>(bin) << shift);
-      const uint64_t last_full = first + ((uint64_t(1) << shift) - 1);
-      const uint64_t last = last_full > hi || last_full < first ? hi : last_full;
+      const BinKeys edges = bin_keys(lo, hi, shift, bin);
       atomicAdd(&s_count[bin], 1u);
-      atomicAdd(&s_U[bin], exp_term<scalar_t>((KT::value(Key(first)) - s) * inv_t));
-      atomicAdd(&s_L[bin], exp_term<scalar_t>((s - KT::value(Key(last))) * inv_t));
+      atomicAdd(&s_U[bin], exp_term<scalar_t>((KT::value(Key(edges.first)) - s) * inv_t));
+      atomicAdd(&s_L[bin], exp_term<scalar_t>((s - KT::value(Key(edges.last))) * inv_t));
       acc.middle += 1;
       return true;
     };
@@ -482,11 +488,9 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
       if (st.certify && st.status == kRefineMiddle && !(psi_top <= k && psi_bottom >= k)) {
         st = fallback_state(st, KT::min_key(), KT::max_key());  // the sample missed: exact fallback
       } else if (s_inside < kBins) {
-        const int bin = kBins - 1 - s_inside;
-        const uint64_t first_key = lo + (static_cast<uint64_t>(bin) << shift);
-        const uint64_t last_full = first_key + ((uint64_t(1) << shift) - 1);
-        st.lo_key = first_key;
-        st.hi_key = last_full > hi || last_full < first_key ? hi : last_full;
+        const BinKeys refine = bin_keys(lo, hi, shift, kBins - 1 - s_inside);
+        st.lo_key = refine.first;
+        st.hi_key = refine.last;
       } else {
         // The gap above bin `first` (or below every bin): owners publish its ends.
         if (s_first == kBins && threadIdx.x == 0) {
