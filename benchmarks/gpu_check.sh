@@ -4,7 +4,8 @@
 # plots go to $OUT, packed into $OUT/gpu_check.tgz (the device tool brings back only a
 # few files) next to summary.txt.
 #   device run:  bash benchmarks/gpu_check.sh     (STEPS="build test demo bench bench_hard")
-# Knobs: STEPS (also profile, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
+# Knobs: STEPS (also profile, ncu, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
+# NCU_KERNELS, NCU_SIZES, NCU_HARD_SHAPE,
 # PYTEST_EXTRA, BENCH_ARGS, BENCH_HARD_ARGS, TP_ARGS, GS_ARGS, L0_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +33,18 @@ for step in $STEPS; do
     bench) run bench_soft "${BENCH_TIMEOUT:-420}" $PY benchmarks/bench_soft_topk.py ${BENCH_ARGS:-} --out "$L/soft_topk_h200.json" ;;
     bench_hard) run bench_hard "${BENCH_TIMEOUT:-420}" $PY benchmarks/bench_hard_topk.py ${BENCH_HARD_ARGS:-} --out "$L/hard_topk_h200.json" ;;
     profile) run profile 120 $PY benchmarks/profile_soft_topk.py --sizes 1e6 1e8 ;;
+    ncu)  # per-kernel hardware counters of one forward+backward at each size (if ncu exists)
+      NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
+      [ -n "$NCU" ] && run ncu 300 "$NCU" -k "${NCU_KERNELS:-regex:^(propose|level|scan|sides|solve|lapsum_mask|vjp_reduce|vjp_apply|short_rows)_kernel}" --section SpeedOfLight \
+        --section Occupancy --section LaunchStats --section WarpStateStats \
+        $PY benchmarks/profile_soft_topk.py --sizes ${NCU_SIZES:-1e6 1e8} --warmup 0 --calls 1 --bare \
+        || echo "ncu: not found or failed" ;;
+    ncu_hard)  # the same for fastlapsum.topk on one shape of the 20-shape matrix
+      NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
+      [ -n "$NCU" ] && run ncu_hard 300 "$NCU" -k "regex:row_select_kernel|^g_" --section SpeedOfLight \
+        --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+        $PY -c "import torch, fastlapsum; x = torch.randn(${NCU_HARD_SHAPE:-2048, 524288}, device='cuda'); fastlapsum.topk(x, 2048, sorted=False); torch.cuda.synchronize()" \
+        || echo "ncu: not found or failed" ;;
     token_pruning) run token_pruning "${EXAMPLE_TIMEOUT:-420}" $PY examples/token_pruning/train.py --device cuda --out "$L/token_pruning" ${TP_ARGS:-} ;;
     gaussian_splatting) run gaussian_splatting "${EXAMPLE_TIMEOUT:-420}" $PY examples/gaussian_splatting/train.py --device cuda --scene large --out "$L/gaussian_splatting" ${GS_ARGS:-} ;;
     l0_attack) run l0_attack "${EXAMPLE_TIMEOUT:-420}" $PY examples/l0_attack/attack.py --device cuda --megapixel --out "$L/l0_attack" ${L0_ARGS:-} ;;

@@ -2,6 +2,7 @@
 torch.profiler: where the time of one call goes. Prints one table per size.
 
     python benchmarks/profile_soft_topk.py --sizes 1e6 1e8
+    ncu -k regex:scan_kernel python benchmarks/profile_soft_topk.py --sizes 1e6 --warmup 0 --calls 1 --bare
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", nargs="*", type=float, default=[1e6, 1e8])
     ap.add_argument("--method", default="auto")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--bare", action="store_true", help="just run the calls (under an external profiler)")
     args = ap.parse_args()
     for nf in args.sizes:
         n = int(nf)
@@ -24,14 +28,23 @@ def main():
         g = torch.randn_like(x)
         k = torch.full((1,), n / 16, dtype=torch.float64, device="cuda")
         t = torch.ones(1, dtype=torch.float64, device="cuda")
-        for _ in range(3):
-            fastlapsum.soft_topk(x, k, t, method=args.method).backward(g)
+
+        def call():  # autograd.grad: no accumulation into x.grad in the timings
+            torch.autograd.grad(fastlapsum.soft_topk(x, k, t, method=args.method), x, g)
+
+        for _ in range(args.warmup):
+            call()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                fastlapsum.soft_topk(x, k, t, method=args.method).backward(g)
+        if args.bare:
+            for _ in range(args.calls):
+                call()
             torch.cuda.synchronize()
-        print(f"==== n = {n:,} ({args.method}), 5 forward+backward calls")
+            continue
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.calls):
+                call()
+            torch.cuda.synchronize()
+        print(f"==== n = {n:,} ({args.method}), {args.calls} forward+backward calls")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
 
 

@@ -27,7 +27,7 @@ VjpSums row_sums(int64_t n, const Term& term) {
 
 // Both VJPs: per row, reduce the elements' terms, turn the sums into the row's result
 // (grad_k, grad_t and d L / d s_i from an element's term), then write d L / d x_i.
-// term(r, i, b_s, t) gives element i's VjpTerm; solve(r, sums, b_s, t) the row's result.
+// term(r, i, b_s, 1/t) gives element i's VjpTerm; solve(r, sums, b_s, t) the row's result.
 template <typename scalar_t, typename Term, typename Solve>
 void vjp_rows(BackwardIO& io, double sign, const Term& term, const Solve& solve) {
   const int64_t rows = io.x.size(0), n = io.x.size(1);
@@ -38,8 +38,8 @@ void vjp_rows(BackwardIO& io, double sign, const Term& term, const Solve& solve)
   scalar_t* op = io.gx.mutable_data_ptr<scalar_t>();
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const double br = sign * bp[r], tr = tp[r];
-      const auto element = [&](int64_t i) { return term(r, i, br, tr); };
+      const double br = sign * bp[r], tr = tp[r], inv_t = inv_temperature(tr);
+      const auto element = [&](int64_t i) { return term(r, i, br, inv_t); };
       const auto v = solve(r, row_sums(n, element), br, tr);
       gkp[r] = v.grad_k;
       gtp[r] = v.grad_t;
@@ -68,8 +68,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cpu(
     const scalar_t* gp = g.const_data_ptr<scalar_t>();
     vjp_rows<scalar_t>(
         io, sign,
-        [&](int64_t r, int64_t i, double b, double t) {
-          return vjp_term(sign * static_cast<double>(xp[r * n + i]), b, t,
+        [&](int64_t r, int64_t i, double b, double inv_t) {
+          return vjp_term(sign * static_cast<double>(xp[r * n + i]), b, inv_t,
                           static_cast<double>(gp[r * n + i]), log_mode);
         },
         [](int64_t, const VjpSums& s, double b, double t) { return mask_vjp(s, b, t); });
@@ -90,8 +90,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cpu(
     const scalar_t* xp = io.x.const_data_ptr<scalar_t>();
     vjp_rows<scalar_t>(
         io, sign,
-        [&](int64_t r, int64_t i, double b, double t) {
-          return vjp_term(sign * static_cast<double>(xp[r * n + i]), b, t, 0.0, false);
+        [&](int64_t r, int64_t i, double b, double inv_t) {
+          return vjp_term(sign * static_cast<double>(xp[r * n + i]), b, inv_t, 0.0, false);
         },
         [&](int64_t r, const VjpSums& s, double b, double t) {
           return threshold_vjp(s, gbp[r], b, t, sign);

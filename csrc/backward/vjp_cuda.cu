@@ -9,12 +9,13 @@
 #include "../common/cuda_launch.cuh"
 #include "../common/vjp_math.h"
 #include "../common/op_io.h"
+#include "../forward/gpu_keys.cuh"
 #include "../ops.h"
 
 namespace fastlapsum {
 namespace {
 
-constexpr int64_t kMaxChunks = 512;  // partial sums per row
+constexpr int64_t kMaxChunks = 2048;  // partial sums per row: enough blocks to fill the GPU
 
 struct SumOp {
   __device__ VjpSums operator()(VjpSums a, const VjpSums& b) const {
@@ -23,27 +24,23 @@ struct SumOp {
   }
 };
 
-// element i of row r; the threshold VJP has no upstream tensor (grad == nullptr)
-template <typename scalar_t>
-__device__ VjpTerm element_term(const scalar_t* grad, const scalar_t* x, int64_t idx, double sign,
-                                double b, double t, bool log_mode) {
-  const double g = grad == nullptr ? 0.0 : static_cast<double>(grad[idx]);
-  return vjp_term(sign * static_cast<double>(x[idx]), b, t, g, log_mode);
-}
-
+// the threshold VJP has no upstream tensor (grad == nullptr)
 template <typename scalar_t>
 __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ x,
                                   const double* __restrict__ b, const double* __restrict__ t,
                                   VjpSums* __restrict__ partial, int64_t rows, int64_t n,
                                   double sign, bool log_mode) {
+  constexpr int V = vec_width<scalar_t>();
   using Reduce = cub::BlockReduce<VjpSums, kThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const double br = sign * b[r], tr = t[r];
+    const double br = sign * b[r], inv_t = inv_temperature(t[r]);
     VjpSums acc;
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-         i += int64_t(gridDim.x) * blockDim.x)
-      acc.add(element_term(grad, x, r * n + i, sign, br, tr, log_mode));
+    stream_row<scalar_t>(x + r * n, grad == nullptr ? nullptr : grad + r * n, n,
+                         [&](const double(&xv)[V], const double(&gv)[V], int valid, int64_t) {
+                           for (int q = 0; q < valid; ++q)
+                             acc.add(vjp_term(sign * xv[q], br, inv_t, gv[q], log_mode, ExpTerm<scalar_t>{}));
+                         });
     const VjpSums total = Reduce(tmp).Reduce(acc, SumOp());
     if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x] = total;
     __syncthreads();
@@ -72,43 +69,53 @@ __device__ VjpSums fold_partials(const VjpSums* partial, int chunks) {
   return s;
 }
 
+// d L / d x for both VJPs: of the mask (grad given) or of the threshold (grad == nullptr,
+// grad_b given: one value per row).
 template <typename scalar_t>
-__global__ void mask_vjp_apply_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ x,
-                                      const double* __restrict__ b, const double* __restrict__ t,
-                                      const VjpSums* __restrict__ partial, scalar_t* __restrict__ gx,
-                                      double* __restrict__ gk, double* __restrict__ gt, int64_t rows,
-                                      int64_t n, double sign, bool log_mode) {
+__global__ void vjp_apply_kernel(const scalar_t* __restrict__ grad, const double* __restrict__ grad_b,
+                                 const scalar_t* __restrict__ x, const double* __restrict__ b,
+                                 const double* __restrict__ t, const VjpSums* __restrict__ partial,
+                                 scalar_t* __restrict__ gx, double* __restrict__ gk, double* __restrict__ gt,
+                                 int64_t rows, int64_t n, double sign, bool log_mode) {
+  constexpr int V = vec_width<scalar_t>();
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const double br = sign * b[r], tr = t[r];
-    const MaskVjp v = mask_vjp(fold_partials(partial + r * gridDim.x, gridDim.x), br, tr);
+    const double br = sign * b[r], tr = t[r], inv_t = inv_temperature(tr);
+    const VjpSums sums = fold_partials(partial + r * gridDim.x, gridDim.x);
+    // either closed form as d L / d s = (G cg - tw cr) cs, with the row's grad_k, grad_t
+    double cg, cr, cs, grad_k, grad_t;
+    bool nan = false;
+    if (grad != nullptr) {  // (G - tw <g', w>/W) / t
+      const MaskVjp v = mask_vjp(sums, br, tr);
+      cg = 1.0;
+      cr = v.ratio;
+      cs = inv_t;
+      nan = v.nan;
+      grad_k = v.grad_k;
+      grad_t = v.grad_t;
+    } else {  // scale tw
+      const ThresholdVjp v = threshold_vjp(sums, grad_b[r], br, tr, sign);
+      cg = 0.0;
+      cr = -v.scale;
+      cs = 1.0;
+      grad_k = v.grad_k;
+      grad_t = v.grad_t;
+    }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-      gk[r] = v.grad_k;
-      gt[r] = v.grad_t;
+      gk[r] = grad_k;
+      gt[r] = grad_t;
     }
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-         i += int64_t(gridDim.x) * blockDim.x) {
-      const VjpTerm e = element_term(grad, x, r * n + i, sign, br, tr, log_mode);
-      gx[r * n + i] = static_cast<scalar_t>(sign * v.grad_score(e.G, e.tw));
-    }
-  }
-}
-
-template <typename scalar_t>
-__global__ void threshold_vjp_apply_kernel(const double* __restrict__ grad_b, const scalar_t* __restrict__ x,
-                                           const double* __restrict__ b, const double* __restrict__ t,
-                                           const VjpSums* __restrict__ partial, scalar_t* __restrict__ gx,
-                                           double* __restrict__ gk, double* __restrict__ gt,
-                                           int64_t rows, int64_t n, double sign) {
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const double br = sign * b[r], tr = t[r];
-    const ThresholdVjp v = threshold_vjp(fold_partials(partial + r * gridDim.x, gridDim.x), grad_b[r], br, tr, sign);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      gk[r] = v.grad_k;
-      gt[r] = v.grad_t;
-    }
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-         i += int64_t(gridDim.x) * blockDim.x)
-      gx[r * n + i] = static_cast<scalar_t>(sign * v.grad_score(0.0, element_term<scalar_t>(nullptr, x, r * n + i, sign, br, tr, false).tw));
+    scalar_t* out = gx + r * n;
+    const bool aligned = is_aligned16(out);
+    stream_row<scalar_t>(x + r * n, grad == nullptr ? nullptr : grad + r * n, n,
+                         [&](const double(&xv)[V], const double(&gv)[V], int valid, int64_t i0) {
+                           double o[V];
+#pragma unroll
+                           for (int q = 0; q < V; ++q) {
+                             const VjpTerm e = vjp_term(sign * xv[q], br, inv_t, gv[q], log_mode, ExpTerm<scalar_t>{});
+                             o[q] = nan ? NAN : sign * ((e.G * cg - e.tw * cr) * cs);
+                           }
+                           store_vec<scalar_t, V>(out, n, i0, aligned && valid == V, o);
+                         });
   }
 }
 
@@ -138,8 +145,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cuda(
         g.const_data_ptr<scalar_t>(), w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
         w.t.const_data_ptr<double>(), partial, rows, n, sign, log_mode);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    mask_vjp_apply_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
-        g.const_data_ptr<scalar_t>(), w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
+    vjp_apply_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+        g.const_data_ptr<scalar_t>(), nullptr, w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
         w.t.const_data_ptr<double>(), partial, w.gx.mutable_data_ptr<scalar_t>(),
         w.gk.mutable_data_ptr<double>(), w.gt.mutable_data_ptr<double>(), rows, n, sign, log_mode);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -166,10 +173,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cuda(
         nullptr, w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
         w.t.const_data_ptr<double>(), partial, rows, n, sign, false);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    threshold_vjp_apply_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
-        gb.const_data_ptr<double>(), w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
+    vjp_apply_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+        nullptr, gb.const_data_ptr<double>(), w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
         w.t.const_data_ptr<double>(), partial, w.gx.mutable_data_ptr<scalar_t>(),
-        w.gk.mutable_data_ptr<double>(), w.gt.mutable_data_ptr<double>(), rows, n, sign);
+        w.gk.mutable_data_ptr<double>(), w.gt.mutable_data_ptr<double>(), rows, n, sign, false);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {w.gx, w.gk, w.gt};

@@ -30,26 +30,27 @@ struct Atom {
 FLS_HD Atom point_atom(double s) { return Atom{s, s, 1.0, 1.0, 1.0}; }
 
 // Add one score to a range atom, rescaling the sums when an end moves (online, so
-// that the exponents stay <= 0 whatever order the scores come in).
-FLS_HD void atom_add(Atom& a, double s, double t) {
+// that the exponents stay <= 0 whatever order the scores come in). inv_t = 1/t
+// (inv_temperature): these run once per score or per merge, so no division.
+FLS_HD void atom_add(Atom& a, double s, double inv_t) {
   if (a.count == 0.0) {
     a = point_atom(s);
     return;
   }
-  if (s >= a.lo) a.U += exp((a.lo - s) / t);
-  else { a.U = a.U * exp((s - a.lo) / t) + 1.0; a.lo = s; }
-  if (s <= a.hi) a.L += exp((s - a.hi) / t);
-  else { a.L = a.L * exp((a.hi - s) / t) + 1.0; a.hi = s; }
+  if (s >= a.lo) a.U += exp((a.lo - s) * inv_t);
+  else { a.U = a.U * exp((s - a.lo) * inv_t) + 1.0; a.lo = s; }
+  if (s <= a.hi) a.L += exp((s - a.hi) * inv_t);
+  else { a.L = a.L * exp((a.hi - s) * inv_t) + 1.0; a.hi = s; }
   a.count += 1.0;
 }
 
-FLS_HD void atom_merge(Atom& a, const Atom& b, double t) {
+FLS_HD void atom_merge(Atom& a, const Atom& b, double inv_t) {
   if (b.count == 0.0) return;
   if (a.count == 0.0) { a = b; return; }
   const double lo = a.lo < b.lo ? a.lo : b.lo;
   const double hi = a.hi > b.hi ? a.hi : b.hi;
-  a.U = a.U * exp((lo - a.lo) / t) + b.U * exp((lo - b.lo) / t);
-  a.L = a.L * exp((a.hi - hi) / t) + b.L * exp((b.hi - hi) / t);
+  a.U = a.U * exp((lo - a.lo) * inv_t) + b.U * exp((lo - b.lo) * inv_t);
+  a.L = a.L * exp((a.hi - hi) * inv_t) + b.L * exp((b.hi - hi) * inv_t);
   a.lo = lo;
   a.hi = hi;
   a.count += b.count;

@@ -65,12 +65,19 @@ FLS_HD float exp_f(double u) {
   return fmaf(e, du, e);  // e^{uf} (1 + du), one rounding
 }
 
+// 1/t for the per-element passes (a multiply, not an fp64 division, per score), capped so
+// that a subnormal t gives 0 * big = 0 for a score at b, not 0 * inf = NaN.
+FLS_HD double inv_temperature(double t) {
+  const double inv = 1.0 / t;
+  return inv < 1.7976931348623157e308 ? inv : 1.7976931348623157e308;
+}
+
 // The mask value for a low-precision output: u = (s - b)/t in fp64 (an fp32 b alone
-// moves the budget when |b| >> t), the exponential with exp_f.
-FLS_HD float lapsum_prob_f(double s, double b, double t, double edge) {
+// moves the budget when |b| >> t), the exponential with exp_f. inv_t = inv_temperature(t).
+FLS_HD float lapsum_prob_f(double s, double b, double inv_t, double edge) {
   if (b == INFINITY) return s == INFINITY ? static_cast<float>(edge) : 0.0f;
   if (b == -INFINITY) return s == -INFINITY ? static_cast<float>(edge) : 1.0f;
-  const double u = (s - b) / t;
+  const double u = (s - b) * inv_t;
   return u <= 0.0 ? 0.5f * exp_f(u) : 1.0f - 0.5f * exp_f(-u);
 }
 

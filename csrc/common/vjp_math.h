@@ -8,25 +8,26 @@
 
 namespace fastlapsum {
 
-// G_i for upstream gradient g at u = (s - b)/t. For the log mask the upstream gradient
-// of p is g / p, and tw / p = 1 (u <= 0) or e^{-u} / (2 - e^{-u}) (u > 0), without 0/0.
-FLS_HD double upstream_weight(double g, double u, double tw, bool log_mode) {
-  if (!log_mode) return g * tw;
-  if (u <= 0.0) return g;
-  const double e = exp(-u);
-  return g * e / (2.0 - e);
-}
+// e^u in fp64. The GPU kernels pass their own (fp32 for low-precision scores).
+struct ExpF64 {
+  FLS_HD double operator()(double u) const { return exp(u); }
+};
 
-// One element's terms: tw = t w = e^{-|d|/t}/2, G, d = s - b. Infinite scores and
-// rows with an infinite threshold contribute nothing. In log mode G does not vanish
-// where tw underflows (far below b, log p = (s - b)/t + log 1/2 still moves).
+// One element's terms: tw = t w = e^{-|u|}/2 with u = (s - b)/t, the upstream term G,
+// and d = s - b. For the log mask the upstream gradient of p is g / p, and tw / p = 1
+// (u <= 0) or e^{-u} / (2 - e^{-u}) (u > 0), without 0/0; so in log mode G does not
+// vanish where tw underflows (far below b, log p = (s - b)/t + log 1/2 still moves).
+// Infinite scores and rows with an infinite threshold contribute nothing.
+// inv_t = inv_temperature(t).
 struct VjpTerm {
   double tw, G, d;
 };
-FLS_HD VjpTerm vjp_term(double s, double b, double t, double g, bool log_mode) {
+template <typename Exp = ExpF64>
+FLS_HD VjpTerm vjp_term(double s, double b, double inv_t, double g, bool log_mode, Exp ex = Exp{}) {
   if (!is_finite(s) || !is_finite(b)) return VjpTerm{0.0, 0.0, 0.0};
-  const double d = s - b, u = d / t, tw = laplace_pdf_scaled(u);
-  return VjpTerm{tw, upstream_weight(g, u, tw, log_mode), d};
+  const double d = s - b, u = d * inv_t, e = ex(-fabs(u)), tw = 0.5 * e;
+  const double G = !log_mode ? g * tw : (u <= 0.0 ? g : g * e / (2.0 - e));
+  return VjpTerm{tw, G, d};
 }
 
 struct VjpSums {

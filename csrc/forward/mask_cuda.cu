@@ -15,15 +15,20 @@ template <typename scalar_t, bool kLog>
 __global__ void lapsum_mask_kernel(const scalar_t* __restrict__ x, const double* __restrict__ b,
                                    const double* __restrict__ t, const double* __restrict__ edge,
                                    scalar_t* __restrict__ p, int64_t rows, int64_t n, double sign) {
+  constexpr int V = vec_width<scalar_t>();
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const double br = sign * b[r], tr = t[r], er = edge[r];
-    const scalar_t* xr = x + r * n;
+    const double br = sign * b[r], tr = t[r], inv_t = inv_temperature(tr), er = edge[r];
     scalar_t* pr = p + r * n;
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-         i += int64_t(gridDim.x) * blockDim.x) {
-      const double s = sign * static_cast<double>(xr[i]);
-      pr[i] = static_cast<scalar_t>(kLog ? lapsum_log_prob(s, br, tr, er) : mask_prob<scalar_t>(s, br, tr, er));
-    }
+    const bool aligned = is_aligned16(pr);
+    stream_row<scalar_t>(x + r * n, nullptr, n, [&](const double(&xv)[V], const double(&)[V], int valid, int64_t i0) {
+      double o[V];
+#pragma unroll
+      for (int q = 0; q < V; ++q) {
+        const double s = sign * xv[q];
+        o[q] = kLog ? lapsum_log_prob(s, br, tr, er) : mask_prob<scalar_t>(s, br, tr, inv_t, er);
+      }
+      store_vec<scalar_t, V>(pr, n, i0, aligned && valid == V, o);
+    });
   }
 }
 
@@ -38,7 +43,7 @@ at::Tensor lapsum_mask_cuda(const at::Tensor& x_in, const at::Tensor& b_in, cons
   at::Tensor p = at::empty_like(x);
   const int64_t rows = x.size(0), n = x.size(1);
   if (x.numel() == 0) return p;
-  const dim3 grid = row_grid(rows, n, 4, 4096);
+  const dim3 grid = row_grid(rows, n, 16, 4096);
   const double sign = largest ? 1.0 : -1.0;
   const cudaStream_t stream = current_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "lapsum_mask_cuda", [&] {

@@ -97,7 +97,7 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
   const bool settled = settle_row(k, t, static_cast<double>(n), s_counts[0], n_pinf, n_ninf, &b, &edge, &kf);
 
   if (!settled) {  // uniform across the block
-    const double inv_t = fmin(1.0 / t, DBL_MAX);  // subnormal t: 0 * big, not 0 * inf
+    const double inv_t = inv_temperature(t);
     Sort(sm.sort).SortDescending(keys);  // blocked: thread tid holds positions tid*kItems + q
     __syncthreads();
     const int first = n_pinf, end = static_cast<int>(n) - n_ninf;  // finite positions [first, end)
@@ -196,7 +196,7 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
   for (int q = 0; q < kItems; ++q) {
     const int64_t i = q * kShortThreads + tid;
     if (i >= n) continue;
-    prow[i] = static_cast<scalar_t>(log_mode ? lapsum_log_prob(s[q], b, t, edge) : mask_prob<scalar_t>(s[q], b, t, edge));
+    prow[i] = static_cast<scalar_t>(log_mode ? lapsum_log_prob(s[q], b, t, edge) : mask_prob<scalar_t>(s[q], b, t, inv_temperature(t), edge));
   }
 }
 

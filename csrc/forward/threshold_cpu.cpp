@@ -81,6 +81,7 @@ double solve_radix(const Row<scalar_t>& row, double k, double t) {
   constexpr int kDigitBits = 11;
   constexpr int kBins = 1 << kDigitBits;
   Tail above{0.0, 0.0, INFINITY}, below{0.0, 0.0, -INFINITY};
+  const double inv_t = inv_temperature(t);
   uint64_t prefix = 0;
   std::vector<double> scratch(kBins + 1);
   for (int done = 0; done < 64; done += kDigitBits) {
@@ -94,12 +95,12 @@ double solve_radix(const Row<scalar_t>& row, double k, double t) {
         if (!std::isfinite(s)) continue;
         const uint64_t key = double_key(s);
         if (done > 0 && (key >> (64 - done)) != prefix) continue;
-        atom_add(h[(key >> shift) & ((1u << bits) - 1)], s, t);
+        atom_add(h[(key >> shift) & ((1u << bits) - 1)], s, inv_t);
       }
     });
     Hist& hist = parts[0];
     for (size_t p = 1; p < parts.size(); ++p)
-      for (int j = 0; j < kBins; ++j) atom_merge(hist[j], parts[p][j], t);
+      for (int j = 0; j < kBins; ++j) atom_merge(hist[j], parts[p][j], inv_t);
     std::vector<int> bins;  // non-empty bins, highest first
     for (int j = (1 << bits) - 1; j >= 0; --j)
       if (hist[j].count > 0) bins.push_back(j);

@@ -39,6 +39,7 @@ namespace {
 constexpr int kBins = 2048;
 constexpr int kDigitBits = 11;
 constexpr int kLevelThreads = 512;
+constexpr int kLevelUnroll = 4;  // 16-byte vectors per thread per tile of the row pass
 constexpr int kScanThreads = 256;
 constexpr int kScanBins = kBins / kScanThreads;  // consecutive bins per scan thread
 constexpr int kProposeThreads = 1024;
@@ -91,22 +92,28 @@ struct GapSides {
 };
 
 struct GapMerge {
-  double t;
+  double inv_t;
   __device__ GapSides operator()(GapSides a, const GapSides& b) const {
-    atom_merge(a.above, b.above, t);
-    atom_merge(a.below, b.below, t);
+    atom_merge(a.above, b.above, inv_t);
+    atom_merge(a.below, b.below, inv_t);
     return a;
   }
 };
 
 struct AtomMerge {
-  double t;
+  double inv_t;
   __device__ Atom operator()(Atom a, const Atom& b) const {
-    atom_merge(a, b, t);
+    atom_merge(a, b, inv_t);
     return a;
   }
 };
 
+
+// Scores per tile of the level pass over a row (one block scan per tile when gathering).
+template <typename scalar_t>
+__host__ __device__ constexpr int64_t level_tile() {
+  return int64_t(kLevelThreads) * vec_width<scalar_t>() * kLevelUnroll;
+}
 
 __host__ __device__ constexpr int digits_for(int bits) { return (bits + kDigitBits - 1) / kDigitBits; }
 
@@ -256,8 +263,7 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
     __syncthreads();
     const uint64_t lo = st.lo_key, hi = st.hi_key;
     const int shift = bin_shift(lo, hi);
-    // 1/t capped: a subnormal t must give 0 * big = 0, not 0 * inf = NaN
-    const double a_hi = KT::value(Key(hi)), a_lo = KT::value(Key(lo)), inv_t = fmin(1.0 / st.t, DBL_MAX);
+    const double a_hi = KT::value(Key(hi)), a_lo = KT::value(Key(lo)), inv_t = inv_temperature(st.t);
     LevelPartial acc{0.0, 0.0, 0.0, 0, 0, 0, 0, 0};
     // Classifies one (signed) score; true when it lies in the key range.
     const auto consider = [&](double s) -> bool {
@@ -289,30 +295,38 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
     if (from_row) {
       const scalar_t* xr = x + r * n;
       const bool aligned = reinterpret_cast<uintptr_t>(xr) % 16 == 0;
-      const int64_t tile = int64_t(kLevelThreads) * V;
+      const int64_t tile = level_tile<scalar_t>();
       const int64_t tiles = (n + tile - 1) / tile;
       double* slice = gather ? middle + slice_id * cap : nullptr;
       int64_t used = 0;  // the same in every thread
       for (int64_t tl = blockIdx.x; tl < tiles; tl += gridDim.x) {
-        double v[V];
-        const int valid = load_vec<scalar_t, V>(xr, n, tl * tile + int64_t(threadIdx.x) * V, aligned, v);
-        bool in[V];
+        double v[kLevelUnroll][V];
+        int valid[kLevelUnroll];
+#pragma unroll
+        for (int u = 0; u < kLevelUnroll; ++u)  // loads first: kLevelUnroll vectors in flight
+          valid[u] = load_vec<scalar_t, V>(xr, n, tl * tile + (int64_t(u) * kLevelThreads + threadIdx.x) * V,
+                                           aligned, v[u]);
+        bool in[kLevelUnroll][V];
         int count = 0;
 #pragma unroll
-        for (int q = 0; q < V; ++q) {
-          v[q] *= sign;
-          in[q] = q < valid && consider(v[q]);
-          count += in[q];
-        }
-        if (gather) {
+        for (int u = 0; u < kLevelUnroll; ++u)
+#pragma unroll
+          for (int q = 0; q < V; ++q) {
+            v[u][q] *= sign;
+            in[u][q] = q < valid[u] && consider(v[u][q]);
+            count += in[u][q];
+          }
+        if (gather) {  // one block scan per tile keeps the buffer's order deterministic
           int offset, total;
           TileScan(tscan).ExclusiveSum(count, offset, total);
 #pragma unroll
-          for (int q = 0; q < V; ++q)
-            if (in[q]) {
-              if (used + offset < cap) slice[used + offset] = v[q];
-              ++offset;
-            }
+          for (int u = 0; u < kLevelUnroll; ++u)
+#pragma unroll
+            for (int q = 0; q < V; ++q)
+              if (in[u][q]) {
+                if (used + offset < cap) slice[used + offset] = v[u][q];
+                ++offset;
+              }
           used += total;
           __syncthreads();
         }
@@ -421,7 +435,7 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
         st.below0 = below;
       }
       const int shift = bin_shift(lo, hi);
-      const AtomMerge merge{t};
+      const AtomMerge merge{inv_temperature(t)};
       const Atom none{0, 0, 0, 0, 0};
       const Atom above_atom = above.count > 0.0 ? Atom{above.ref, above.ref, above.count, above.sum, 0.0} : none;
       const Atom below_atom = below.sum > 0.0 ? Atom{below.ref, below.ref, 1.0, 0.0, below.sum} : none;
@@ -532,11 +546,12 @@ sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const RowState st = state[r];
     if (st.status != kSolveMiddle && st.status != kSolveRow) continue;  // uniform
+    const double inv_t = inv_temperature(st.t);
     GapSides acc{none, none};
     const auto add = [&](double s) {
       if (!is_finite(s)) return;
-      if (s >= st.gap_hi) atom_add(acc.above, s, st.t);
-      else if (s <= st.gap_lo) atom_add(acc.below, s, st.t);
+      if (s >= st.gap_hi) atom_add(acc.above, s, inv_t);
+      else if (s <= st.gap_lo) atom_add(acc.below, s, inv_t);
     };
     if (st.status == kSolveRow) {
       const scalar_t* xr = x + r * n;
@@ -555,7 +570,7 @@ sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
         for (unsigned j = threadIdx.x; j < count; j += blockDim.x) add(slice[j]);
       }
     }
-    const GapSides total = Reduce(tmp).Reduce(acc, GapMerge{st.t});
+    const GapSides total = Reduce(tmp).Reduce(acc, GapMerge{inv_t});
     if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x] = total;
     __syncthreads();
   }
@@ -571,15 +586,16 @@ solve_kernel(RowState* __restrict__ state, const GapSides* __restrict__ partial,
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     RowState st = state[r];
     if (st.status != kSolveMiddle && st.status != kSolveRow) continue;  // uniform
-    const GapMerge merge{st.t};
+    const double inv_t = inv_temperature(st.t);
+    const GapMerge merge{inv_t};
     GapSides acc{none, none};
     for (int c = threadIdx.x; c < parts; c += blockDim.x) acc = merge(acc, partial[r * parts + c]);
     GapSides g = Reduce(tmp).Reduce(acc, merge);
     if (threadIdx.x == 0) {
       if (st.status == kSolveMiddle) {  // the scores outside the bracket
         if (st.above0.count > 0.0)
-          atom_merge(g.above, Atom{st.above0.ref, st.above0.ref, st.above0.count, st.above0.sum, 0.0}, st.t);
-        if (st.below0.sum > 0.0) atom_merge(g.below, Atom{st.below0.ref, st.below0.ref, 1.0, 0.0, st.below0.sum}, st.t);
+          atom_merge(g.above, Atom{st.above0.ref, st.above0.ref, st.above0.count, st.above0.sum, 0.0}, inv_t);
+        if (st.below0.sum > 0.0) atom_merge(g.below, Atom{st.below0.ref, st.below0.ref, 1.0, 0.0, st.below0.sum}, inv_t);
       }
       const double hi = g.above.count > 0.0 ? g.above.lo : INFINITY;
       const double lo = g.below.count > 0.0 ? g.below.hi : -INFINITY;
@@ -604,11 +620,10 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
   const double sign = largest ? 1.0 : -1.0;
   const cudaStream_t stream = current_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "solve_long_rows_cuda", [&] {
-    constexpr int V = vec_width<scalar_t>();
     // Blocks per row: a few tiles each, at most kMaxChunks; the grid covers rows by looping.
-    const int64_t tile = int64_t(kLevelThreads) * V;
+    const int64_t tile = level_tile<scalar_t>();
     const int64_t tiles = (n + tile - 1) / tile;
-    int64_t chunks = (tiles + 7) / 8;
+    int64_t chunks = (tiles + 1) / 2;
     chunks = chunks < 1 ? 1 : (chunks > kMaxChunks ? kMaxChunks : chunks);
     const int64_t per_block = (tiles + chunks - 1) / chunks * tile;
     // Middle slice per block: 4x the widest first bracket's expected share (q = 1/2).
