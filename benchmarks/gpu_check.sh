@@ -5,7 +5,7 @@
 # few files) next to summary.txt.
 #   device run:  bash benchmarks/gpu_check.sh     (STEPS="build test demo bench bench_hard")
 # Knobs: STEPS (also profile, ncu, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
-# NCU_KERNELS, NCU_SIZES, NCU_HARD_SHAPE,
+# NCU_KERNELS, NCU_SIZES, NCU_HARD_SHAPE, BUDGET (seconds for the whole script).
 # PYTEST_EXTRA, BENCH_ARGS, BENCH_HARD_ARGS, TP_ARGS, GS_ARGS, L0_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,8 +19,14 @@ PY=${PY:-.venv/bin/python}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } > "$L/env.txt" 2>&1
 cat "$L/env.txt"
 status=0
+BUDGET=${BUDGET:-0}  # seconds for the whole script (0: none): later steps get what is left
 run() {  # run NAME TIMEOUT CMD...: log to $L/NAME.log, show its tail
   local name=$1 limit=$2; shift 2
+  if [ "$BUDGET" -gt 0 ]; then
+    local left=$((BUDGET - SECONDS - 10))
+    [ "$left" -lt 20 ] && { echo "=== $name skipped (budget)"; return; }
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   echo "=== $name ($(date +%T))"
   timeout "$limit" "$@" > "$L/$name.log" 2>&1 || { echo "!!! $name failed ($?)"; status=1; }
   tail -${TAIL:-30} "$L/$name.log"
