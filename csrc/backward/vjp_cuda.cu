@@ -38,8 +38,10 @@ __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scala
     VjpSums acc;
     stream_row<scalar_t>(x + r * n, grad == nullptr ? nullptr : grad + r * n, n,
                          [&](const double(&xv)[V], const double(&gv)[V], int valid, int64_t) {
-                           for (int q = 0; q < valid; ++q)
-                             acc.add(vjp_term(sign * xv[q], br, inv_t, gv[q], log_mode, ExpTerm<scalar_t>{}));
+#pragma unroll
+                           for (int q = 0; q < V; ++q)  // constant indices: xv, gv stay in registers
+                             if (q < valid)
+                               acc.add(vjp_term(sign * xv[q], br, inv_t, gv[q], log_mode, ExpTerm<scalar_t>{}));
                          });
     const VjpSums total = Reduce(tmp).Reduce(acc, SumOp());
     if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x] = total;
@@ -47,22 +49,17 @@ __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scala
   }
 }
 
-// Sum a row's partials in a fixed order with one warp (same answer every run).
+// Sum a row's partials in a fixed order (the same answer every run): thread j folds
+// partials j, j + kThreads, ..., then one block reduction. All threads load, so the
+// elementwise pass does not wait on one warp's chain of loads.
 __device__ VjpSums fold_partials(const VjpSums* partial, int chunks) {
+  using Reduce = cub::BlockReduce<VjpSums, kThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
   __shared__ VjpSums row_sum;
-  if (threadIdx.x < 32) {
-    VjpSums acc;
-    for (int c = threadIdx.x; c < chunks; c += 32) acc.merge(partial[c]);
-    for (int off = 16; off > 0; off >>= 1) {
-      VjpSums o;
-      o.tw = __shfl_down_sync(0xffffffffu, acc.tw, off);
-      o.G = __shfl_down_sync(0xffffffffu, acc.G, off);
-      o.twd = __shfl_down_sync(0xffffffffu, acc.twd, off);
-      o.Gd = __shfl_down_sync(0xffffffffu, acc.Gd, off);
-      acc.merge(o);
-    }
-    if (threadIdx.x == 0) row_sum = acc;
-  }
+  VjpSums acc;
+  for (int c = threadIdx.x; c < chunks; c += kThreads) acc.merge(partial[c]);
+  const VjpSums total = Reduce(tmp).Reduce(acc, SumOp());
+  if (threadIdx.x == 0) row_sum = total;
   __syncthreads();
   const VjpSums s = row_sum;
   __syncthreads();

@@ -47,12 +47,12 @@ FLS_HD void atom_add(Atom& a, double s, double inv_t) {
 FLS_HD void atom_merge(Atom& a, const Atom& b, double inv_t) {
   if (b.count == 0.0) return;
   if (a.count == 0.0) { a = b; return; }
-  const double lo = a.lo < b.lo ? a.lo : b.lo;
-  const double hi = a.hi > b.hi ? a.hi : b.hi;
-  a.U = a.U * exp((lo - a.lo) * inv_t) + b.U * exp((lo - b.lo) * inv_t);
-  a.L = a.L * exp((a.hi - hi) * inv_t) + b.L * exp((b.hi - hi) * inv_t);
-  a.lo = lo;
-  a.hi = hi;
+  // each sum is rescaled to the merged end; the side that holds that end scales by e^0 = 1
+  const double eu = exp(-fabs(a.lo - b.lo) * inv_t), el = exp(-fabs(a.hi - b.hi) * inv_t);
+  a.U = a.lo <= b.lo ? a.U + b.U * eu : a.U * eu + b.U;
+  a.L = a.hi >= b.hi ? a.L + b.L * el : a.L * el + b.L;
+  a.lo = a.lo < b.lo ? a.lo : b.lo;
+  a.hi = a.hi > b.hi ? a.hi : b.hi;
   a.count += b.count;
 }
 
