@@ -269,6 +269,23 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
     LevelPartial acc{0.0, 0.0, 0.0, 0, 0, 0, 0, 0};
     // Classifies one (signed) score; true when it lies in the key range.
     const auto consider = [&](double s) -> bool {
+      // Most scores lie outside the range: decided by value, without computing a key. The
+      // strict comparisons agree with the keys' (keys are monotone and each range end's
+      // value has that end's key; the one exception, the key below +0's, decodes to -0,
+      // and s > -0 still means s is above it). Ends, NaN and signed zeros go on by key.
+      if (s > a_hi) {
+        if (s == INFINITY) acc.pinf += 1;
+        else {
+          acc.above_count += 1.0;
+          acc.above_sum += exp_term<scalar_t>((a_hi - s) * inv_t);
+        }
+        return false;
+      }
+      if (s < a_lo) {
+        if (s == -INFINITY) acc.ninf += 1;
+        else acc.below_sum += exp_term<scalar_t>((s - a_lo) * inv_t);
+        return false;
+      }
       if (!is_finite(s)) {
         acc.nan += s != s;
         acc.pinf += s == INFINITY;
