@@ -7,9 +7,9 @@
 #include <cub/block/block_reduce.cuh>
 
 #include "../common/cuda_launch.cuh"
-#include "../common/vjp_math.h"
+#include "../common/gpu_rows.cuh"
 #include "../common/op_io.h"
-#include "../forward/gpu_keys.cuh"
+#include "../common/vjp_math.h"
 #include "../ops.h"
 
 namespace fastlapsum {

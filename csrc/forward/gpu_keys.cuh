@@ -1,10 +1,10 @@
 // Order-preserving keys of the scores on the GPU, by score type: 32-bit for fp32, fp16
 // and bf16 (their values are floats), 64-bit for fp64. Shared by the threshold kernels.
+// (The per-element arithmetic and the row streaming are in ../common/gpu_rows.cuh.)
 #pragma once
 
 #include <cfloat>
 #include <cstdint>
-#include <type_traits>
 
 #include "../common/lapsum_math.h"
 
@@ -31,118 +31,9 @@ struct KeyTraits<double> {
   __device__ static double value(Key k) { return key_to_double(k); }
 };
 
-// The exponentials of the per-element passes: fp64 for fp64 scores; fp32 (exp_f, ~2 ulp)
-// for fp32/fp16/bf16 scores, whose budget bound (1e-6) that meets with room to spare and
-// whose fp64 exponentials would make the passes compute-bound. Sums stay fp64.
-template <typename scalar_t>
-__device__ __forceinline__ double exp_term(double u) {
-  if constexpr (std::is_same<scalar_t, double>::value) return exp(u);
-  else return static_cast<double>(exp_f(u));
-}
-
-template <typename scalar_t>
-__device__ __forceinline__ double mask_prob(double s, double b, double t, double inv_t, double edge) {
-  if constexpr (std::is_same<scalar_t, double>::value) return lapsum_prob(s, b, t, edge);
-  else return static_cast<double>(lapsum_prob_f(s, b, inv_t, edge));
-}
-
-// exp_term as a functor (for the shared VJP algebra of vjp_math.h).
-template <typename scalar_t>
-struct ExpTerm {
-  __device__ double operator()(double u) const { return exp_term<scalar_t>(u); }
-};
-
 // min for block reductions of positions (cub::Min is gone from recent CUB).
 struct MinInt {
   __device__ int operator()(int a, int b) const { return a < b ? a : b; }
 };
-
-// Elements per 16-byte vector load.
-template <typename scalar_t>
-constexpr int vec_width() {
-  return static_cast<int>(16 / sizeof(scalar_t));
-}
-
-// Loads elements [i0, i0 + V) of a row (those below n) as doubles, with one 16-byte load
-// when the row is aligned and the vector is whole. Returns how many are valid.
-template <typename scalar_t, int V>
-__device__ __forceinline__ int load_vec(const scalar_t* __restrict__ row, int64_t n, int64_t i0,
-                                        bool aligned, double (&v)[V]) {
-  if (aligned && i0 + V <= n) {
-    union {
-      uint4 raw;
-      scalar_t s[V];
-    } u;
-    u.raw = __ldg(reinterpret_cast<const uint4*>(row + i0));
-#pragma unroll
-    for (int q = 0; q < V; ++q) v[q] = static_cast<double>(u.s[q]);
-    return V;
-  }
-  int valid = 0;
-#pragma unroll
-  for (int q = 0; q < V; ++q)
-    if (i0 + q < n) {
-      v[q] = static_cast<double>(row[i0 + q]);
-      ++valid;
-    }
-  return valid;
-}
-
-// Stores elements [i0, i0 + V) of a row (those below n), with one 16-byte store when the
-// row is aligned and the vector is whole.
-template <typename scalar_t, int V>
-__device__ __forceinline__ void store_vec(scalar_t* __restrict__ row, int64_t n, int64_t i0, bool aligned,
-                                          const double (&v)[V]) {
-  if (aligned && i0 + V <= n) {
-    union {
-      uint4 raw;
-      scalar_t s[V];
-    } u;
-#pragma unroll
-    for (int q = 0; q < V; ++q) u.s[q] = static_cast<scalar_t>(v[q]);
-    *reinterpret_cast<uint4*>(row + i0) = u.raw;
-    return;
-  }
-#pragma unroll
-  for (int q = 0; q < V; ++q)
-    if (i0 + q < n) row[i0 + q] = static_cast<scalar_t>(v[q]);
-}
-
-// Vectors per thread per step of the streaming passes: their loads are issued together,
-// because bandwidth needs bytes in flight, not just threads.
-constexpr int kStreamUnroll = 2;
-
-// True when a row pointer allows 16-byte vector access.
-template <typename T>
-__device__ __forceinline__ bool is_aligned16(const T* p) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
-
-// Streams a row (and its upstream gradient when gr != nullptr) in tiles of kStreamUnroll
-// 16-byte vectors per thread, the loads of a tile issued together, and calls
-// f(x values, g values (0 without gr), valid count, first index) per vector.
-// Block c of the row's gridDim.x blocks takes tiles c, c + gridDim.x, ...
-template <typename scalar_t, typename F>
-__device__ __forceinline__ void stream_row(const scalar_t* __restrict__ xr, const scalar_t* __restrict__ gr,
-                                           int64_t n, F&& f) {
-  constexpr int V = vec_width<scalar_t>();
-  const bool aligned = is_aligned16(xr) && (gr == nullptr || is_aligned16(gr));
-  const int64_t tile = int64_t(blockDim.x) * V * kStreamUnroll;
-  for (int64_t t0 = int64_t(blockIdx.x) * tile; t0 < n; t0 += int64_t(gridDim.x) * tile) {
-    double xv[kStreamUnroll][V], gv[kStreamUnroll][V];
-    int valid[kStreamUnroll];
-#pragma unroll
-    for (int u = 0; u < kStreamUnroll; ++u) {
-      const int64_t i0 = t0 + (int64_t(u) * blockDim.x + threadIdx.x) * V;
-#pragma unroll
-      for (int q = 0; q < V; ++q) gv[u][q] = xv[u][q] = 0.0;
-      valid[u] = i0 < n ? load_vec<scalar_t, V>(xr, n, i0, aligned, xv[u]) : 0;
-      if (gr != nullptr && valid[u] > 0) load_vec<scalar_t, V>(gr, n, i0, aligned, gv[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kStreamUnroll; ++u)
-      if (valid[u] > 0) f(xv[u], gv[u], valid[u], t0 + (int64_t(u) * blockDim.x + threadIdx.x) * V);
-  }
-}
 
 }  // namespace fastlapsum

@@ -3,8 +3,8 @@
 #include <torch/library.h>
 
 #include "../common/cuda_launch.cuh"
+#include "../common/gpu_rows.cuh"
 #include "../common/lapsum_math.h"
-#include "gpu_keys.cuh"
 #include "../common/op_io.h"
 #include "../ops.h"
 

@@ -15,6 +15,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "../common/cuda_launch.cuh"
+#include "../common/gpu_rows.cuh"
 #include "gpu_keys.cuh"
 #include "threshold_cuda.h"
 

@@ -28,6 +28,7 @@
 #include "../common/atom_scan.h"
 #include "../common/bracket_rule.h"
 #include "../common/cuda_launch.cuh"
+#include "../common/gpu_rows.cuh"
 #include "../common/op_io.h"
 #include "../ops.h"
 #include "gpu_keys.cuh"
