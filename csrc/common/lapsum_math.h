@@ -42,9 +42,6 @@ FLS_HD double laplace_log_cdf(double u) {
   return u <= 0.0 ? u - 0.6931471805599453 : log1p(-0.5 * exp(-u));
 }
 
-// t * f(u) = e^{-|u|} / 2, the Laplace density times the temperature.
-FLS_HD double laplace_pdf_scaled(double u) { return 0.5 * exp(-fabs(u)); }
-
 // Mask value for score s given the row's threshold b, temperature t and the mass
 // `edge` that infinite scores carry when b itself is infinite (the budget is then
 // spread over the tied +inf scores, or the -inf scores get what is left).
