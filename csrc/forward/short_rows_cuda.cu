@@ -193,11 +193,12 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
   }
   if (p_out == nullptr) return;
   scalar_t* prow = p_out + r * n;
+  const double inv_t = inv_temperature(t);
 #pragma unroll
   for (int q = 0; q < kItems; ++q) {
     const int64_t i = q * kShortThreads + tid;
     if (i >= n) continue;
-    prow[i] = static_cast<scalar_t>(log_mode ? lapsum_log_prob(s[q], b, t, edge) : mask_prob<scalar_t>(s[q], b, t, inv_temperature(t), edge));
+    prow[i] = static_cast<scalar_t>(log_mode ? lapsum_log_prob(s[q], b, t, edge) : mask_prob<scalar_t>(s[q], b, t, inv_t, edge));
   }
 }
 

@@ -314,7 +314,7 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
     const int64_t slice_id = r * gridDim.x + blockIdx.x;
     if (from_row) {
       const scalar_t* xr = x + r * n;
-      const bool aligned = reinterpret_cast<uintptr_t>(xr) % 16 == 0;
+      const bool aligned = is_aligned16(xr);
       const int64_t tile = level_tile<scalar_t>();
       const int64_t tiles = (n + tile - 1) / tile;
       double* slice = gather ? middle + slice_id * cap : nullptr;
@@ -575,7 +575,7 @@ sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
     };
     if (st.status == kSolveRow) {
       const scalar_t* xr = x + r * n;
-      const bool aligned = reinterpret_cast<uintptr_t>(xr) % 16 == 0;
+      const bool aligned = is_aligned16(xr);
       const int64_t tile = int64_t(kLevelThreads) * V;
       for (int64_t tl = blockIdx.x; tl * tile < n; tl += gridDim.x) {
         double v[V];

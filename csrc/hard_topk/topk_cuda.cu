@@ -144,11 +144,16 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ xr, int64_t v, in
   }
 }
 
-// f(score, index) for every index < L handled by CTA `blk` of `nblk` (uniform trip count
-// within the CTA: the loop bound does not depend on the thread).
-template <typename T, int U = row_unroll<T>(), typename F>
+struct NoTileEnd {
+  __device__ void operator()() const {}
+};
+
+// f(score, index) for every index < L handled by CTA `blk` of `nblk`, then tile_end() after
+// each tile of kBlock * U vectors (uniform trip count within the CTA: the loop bound does
+// not depend on the thread, so tile_end may synchronise the block).
+template <typename T, int U = row_unroll<T>(), typename F, typename TileEnd = NoTileEnd>
 __device__ __forceinline__ void for_row(const T* __restrict__ xr, int64_t L, bool aligned, int64_t blk,
-                                        int64_t nblk, F&& f) {
+                                        int64_t nblk, F&& f, TileEnd&& tile_end = TileEnd{}) {
   constexpr int V = 16 / sizeof(T);
   const int64_t nv = (L + V - 1) / V;
   const int64_t step = nblk * kBlock * U;
@@ -170,6 +175,7 @@ __device__ __forceinline__ void for_row(const T* __restrict__ xr, int64_t L, boo
         }
       }
     }
+    tile_end();
   }
 }
 
@@ -660,33 +666,23 @@ __global__ void __launch_bounds__(kBlock) g_collect(Params P) {
   const T* xr = static_cast<const T*>(P.x) + r * P.pitch;
   const bool aligned = (reinterpret_cast<uintptr_t>(xr) & 15) == 0;
   const uint32_t flip = P.flip, thr = st.thr;
-  const int64_t L = st.L, cap = P.cap_g;
+  const int64_t cap = P.cap_g;
   uint64_t* cr = P.cand + r * cap;
-  constexpr int V = 16 / sizeof(T);
-  const int64_t nv = (L + V - 1) / V;
-  const int64_t tile = int64_t(kBlock) * kUnroll;  // vectors per tile (<= kStageItems scores)
-  for (int64_t v0 = blockIdx.x * tile; v0 < nv; v0 += P.bpr * tile) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t v = v0 + u * kBlock + threadIdx.x;
-      if (v < nv) {
-        float vals[V];
-        load_vec<T>(xr, v, L, aligned, vals);
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          const int64_t i = v * V + e;
-          const uint32_t key = float_key(vals[e]) ^ flip;
-          if (i < L && key >= thr) {
-            buf[atomicAdd(&ss.cnt, 1u)] = composite(key, static_cast<uint32_t>(i));
-            atomicAdd(&hist[key >> 21], 1u);
-          }
+  // tiles of kBlock * kUnroll vectors (<= kStageItems scores), staged and flushed per tile
+  for_row<T, kUnroll>(
+      xr, st.L, aligned, blockIdx.x, P.bpr,
+      [&](float v, int64_t i) {
+        const uint32_t key = float_key(v) ^ flip;
+        if (key >= thr) {
+          buf[atomicAdd(&ss.cnt, 1u)] = composite(key, static_cast<uint32_t>(i));
+          atomicAdd(&hist[key >> 21], 1u);
         }
-      }
-    }
-    flush_stage(buf, ss, &st.cand_cnt, [&](unsigned long long pos, uint64_t c) {
-      if (pos < static_cast<unsigned long long>(cap)) cr[pos] = c;
-    });
-  }
+      },
+      [&] {
+        flush_stage(buf, ss, &st.cand_cnt, [&](unsigned long long pos, uint64_t c) {
+          if (pos < static_cast<unsigned long long>(cap)) cr[pos] = c;
+        });
+      });
   for (int i = threadIdx.x; i < kBins; i += kBlock)
     if (hist[i]) atomicAdd(&P.ghist[r * kBins + i], hist[i]);
 }
@@ -754,25 +750,13 @@ __global__ void __launch_bounds__(kBlock) g_output(Params P) {
       flush_stage(buf, ss, &st.out_cnt, sink);
     }
   } else {
-    constexpr int V = 16 / sizeof(T);
-    const int64_t L = st.L, nv = (L + V - 1) / V, tile = int64_t(kBlock) * kUnroll;
-    for (int64_t v0 = blockIdx.x * tile; v0 < nv; v0 += P.bpr * tile) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t v = v0 + u * kBlock + threadIdx.x;
-        if (v < nv) {
-          float vals[V];
-          load_vec<T>(xr, v, L, aligned, vals);
-#pragma unroll
-          for (int e = 0; e < V; ++e) {
-            const int64_t i = v * V + e;
-            const uint64_t c = composite(float_key(vals[e]) ^ flip, static_cast<uint32_t>(i));
-            if (i < L && selected(c, prefix, ks)) buf[atomicAdd(&ss.cnt, 1u)] = c;
-          }
-        }
-      }
-      flush_stage(buf, ss, &st.out_cnt, sink);
-    }
+    for_row<T, kUnroll>(
+        xr, st.L, aligned, blockIdx.x, P.bpr,
+        [&](float v, int64_t i) {
+          const uint64_t c = composite(float_key(v) ^ flip, static_cast<uint32_t>(i));
+          if (selected(c, prefix, ks)) buf[atomicAdd(&ss.cnt, 1u)] = c;
+        },
+        [&] { flush_stage(buf, ss, &st.out_cnt, sink); });
   }
 }
 
