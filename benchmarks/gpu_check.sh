@@ -5,7 +5,7 @@
 # few files) next to summary.txt.
 #   device run:  bash benchmarks/gpu_check.sh     (STEPS="build test demo bench bench_hard")
 # Knobs: STEPS (also profile, ncu, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
-# NCU_KERNELS, NCU_SIZES, NCU_HARD_SHAPE, BUDGET (seconds for the whole script).
+# NCU_KERNELS, NCU_SIZES, NCU_HARD_SHAPE, NCU_HARD_K, BUDGET (seconds for the whole script).
 # PYTEST_EXTRA, BENCH_ARGS, BENCH_HARD_ARGS, TP_ARGS, GS_ARGS, L0_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +49,7 @@ for step in $STEPS; do
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
       [ -n "$NCU" ] && run ncu_hard 300 "$NCU" -k "regex:row_select_kernel|^g_" --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
-        $PY -c "import torch, fastlapsum; x = torch.randn(${NCU_HARD_SHAPE:-2048, 524288}, device='cuda'); fastlapsum.topk(x, 2048, sorted=False); torch.cuda.synchronize()" \
+        $PY -c "import torch, fastlapsum; x = torch.randn(${NCU_HARD_SHAPE:-2048, 524288}, device='cuda'); fastlapsum.topk(x, ${NCU_HARD_K:-2048}, sorted=False); torch.cuda.synchronize()" \
         || echo "ncu: not found or failed" ;;
     token_pruning) run token_pruning "${EXAMPLE_TIMEOUT:-420}" $PY examples/token_pruning/train.py --device cuda --out "$L/token_pruning" ${TP_ARGS:-} ;;
     gaussian_splatting) run gaussian_splatting "${EXAMPLE_TIMEOUT:-420}" $PY examples/gaussian_splatting/train.py --device cuda --scene large --out "$L/gaussian_splatting" ${GS_ARGS:-} ;;

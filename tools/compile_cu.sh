@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compile-check CUDA sources one by one for sm_90 without building the extension
 # (no GPU needed): tools/compile_cu.sh csrc/forward/threshold_cuda.cu [more.cu ...]
-# Uses the torch of .venv (or $PY); objects go to /tmp and are thrown away.
+# Uses the torch of .venv (or $PY); objects go to /tmp and are thrown away. NVCC_EXTRA adds
+# flags (e.g. NVCC_EXTRA="-Xptxas -v" for registers and spills).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -12,5 +13,5 @@ for f in "$@"; do
   nvcc -c "$f" -o "/tmp/$(basename "$f").o" $TI -std=$STD -O3 --expt-relaxed-constexpr -lineinfo \
     -DFASTLAPSUM_WITH_CUDA -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C \
     -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
-    -D__CUDA_NO_HALF2_OPERATORS__ -gencode arch=compute_90,code=sm_90 -Xcompiler -fPIC
+    -D__CUDA_NO_HALF2_OPERATORS__ -gencode arch=compute_90,code=sm_90 -Xcompiler -fPIC ${NVCC_EXTRA:-}
 done

@@ -36,6 +36,55 @@ constexpr int vec_width() {
   return static_cast<int>(16 / sizeof(scalar_t));
 }
 
+// The type a per-element pass classifies and exponentiates in: fp64 for fp64 rows, fp32
+// otherwise (every fp16/bf16/fp32 score is exact in fp32, and fp32 avoids the quarter-rate
+// fp32<->fp64 conversions that bound a pass doing them per score).
+template <typename scalar_t>
+using compute_t = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
+
+// exp in the compute type (expf is accurate to 1 ulp; its inputs here are <= 0).
+__device__ __forceinline__ float exp_c(float u) { return expf(u); }
+__device__ __forceinline__ double exp_c(double u) { return exp(u); }
+
+// One 16-byte vector of a row kept raw (4 registers) until its elements are used, so a
+// thread can hold several loads in flight without the registers of their converted values.
+template <typename scalar_t>
+struct RawVec {
+  static constexpr int V = 16 / static_cast<int>(sizeof(scalar_t));
+  uint4 raw;
+  int valid;  // elements [0, valid) are scores of the row
+  __device__ __forceinline__ compute_t<scalar_t> operator[](int q) const {
+    scalar_t s[V];
+    memcpy(s, &raw, 16);
+    return static_cast<compute_t<scalar_t>>(s[q]);
+  }
+};
+
+// Elements [i0, i0 + V) of a row (those below n; none when i0 >= n), raw.
+template <typename scalar_t>
+__device__ __forceinline__ RawVec<scalar_t> load_raw(const scalar_t* __restrict__ row, int64_t n, int64_t i0,
+                                                     bool aligned) {
+  constexpr int V = RawVec<scalar_t>::V;
+  RawVec<scalar_t> r;
+  r.raw = make_uint4(0, 0, 0, 0);
+  if (aligned && i0 + V <= n) {
+    r.raw = __ldg(reinterpret_cast<const uint4*>(row + i0));
+    r.valid = V;
+    return r;
+  }
+  scalar_t s[V];
+  memcpy(s, &r.raw, 16);
+  r.valid = 0;
+#pragma unroll
+  for (int q = 0; q < V; ++q)
+    if (i0 + q < n) {
+      s[q] = row[i0 + q];
+      ++r.valid;
+    }
+  memcpy(&r.raw, s, 16);
+  return r;
+}
+
 // Loads elements [i0, i0 + V) of a row (those below n) as doubles, with one 16-byte load
 // when the row is aligned and the vector is whole. Returns how many are valid.
 template <typename scalar_t, int V>

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <cfloat>
+#include <limits>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -40,9 +41,9 @@ namespace {
 constexpr int kBins = 2048;
 constexpr int kDigitBits = 11;
 constexpr int kLevelThreads = 512;
-// 16-byte vectors per thread per tile of the row pass. 4 (loads batched) measured slower on
-// the H200 (0.71 vs 0.54 ms at 1e8): 126 registers left one 512-thread block per SM.
-constexpr int kLevelUnroll = 1;
+// 16-byte vectors per thread per tile of the row pass, their loads issued together and kept
+// raw until used (4 converted to fp64 up front took 126 registers: one block per SM).
+constexpr int kLevelUnroll = 4;
 constexpr int kScanThreads = 256;
 constexpr int kScanBins = kBins / kScanThreads;  // consecutive bins per scan thread
 constexpr int kProposeThreads = 1024;
@@ -152,7 +153,8 @@ __device__ inline Atom bin_atom(const BinSums& h, uint64_t lo, uint64_t hi, int 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kProposeThreads)
 propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, const double* __restrict__ t_in,
-               RowState* __restrict__ state, int64_t rows, int64_t n, double sign, bool sort) {
+               RowState* __restrict__ state, typename KeyTraits<scalar_t>::Key* __restrict__ sample_keys,
+               int64_t sample_cap, int64_t rows, int64_t n, double sign, bool sort) {
   using KT = KeyTraits<scalar_t>;
   using Key = typename KT::Key;
   using Scan = cub::BlockScan<unsigned, kProposeThreads>;
@@ -191,23 +193,38 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
         __syncthreads();
         const uint64_t p0 = s_prefix[0], p1 = s_prefix[1];
         const bool want0 = s_rank[0] >= 0 && s_rank[0] < g.count, want1 = s_rank[1] >= 0 && s_rank[1] < g.count;
-        // kBatch independent gathers in flight per thread (the sample is strided: each
-        // score is its own memory transaction, so latency, not bandwidth, bounds this)
+        // kBatch independent loads in flight per thread. The first digit gathers the strided
+        // sample (each score its own memory transaction: latency-bound), noises it and keeps
+        // the keys in the row's workspace slice; later digits read those back, coalesced.
         constexpr int kBatch = 8;
+        Key* keys = sample_keys + r * sample_cap;
         for (int64_t base = threadIdx.x; base < g.count; base += int64_t(kBatch) * blockDim.x) {
-          double v[kBatch];
+          Key kq[kBatch];
+          if (level == 0) {
+            double v[kBatch];
 #pragma unroll
-          for (int q = 0; q < kBatch; ++q) {
-            const int64_t i = base + int64_t(q) * blockDim.x;
-            v[q] = i < g.count ? static_cast<double>(x[r * n + g.offset + i * g.stride]) : 0.0;
+            for (int q = 0; q < kBatch; ++q) {
+              const int64_t i = base + int64_t(q) * blockDim.x;
+              v[q] = i < g.count ? static_cast<double>(x[r * n + g.offset + i * g.stride]) : 0.0;
+            }
+#pragma unroll
+            for (int q = 0; q < kBatch; ++q) {
+              const int64_t i = base + int64_t(q) * blockDim.x;
+              kq[q] = KT::key(sign * v[q] + t * static_cast<double>(laplace_noise_f(static_cast<uint32_t>(i))));
+              if (i < g.count) keys[i] = kq[q];
+            }
+          } else {
+#pragma unroll
+            for (int q = 0; q < kBatch; ++q) {
+              const int64_t i = base + int64_t(q) * blockDim.x;
+              kq[q] = i < g.count ? keys[i] : Key(0);
+            }
           }
 #pragma unroll
           for (int q = 0; q < kBatch; ++q) {
             const int64_t i = base + int64_t(q) * blockDim.x;
             if (i >= g.count) continue;
-            const double noised = sign * v[q] +
-                                  t * static_cast<double>(laplace_noise_f(static_cast<uint32_t>(i)));
-            const uint64_t key = KT::key(noised);
+            const uint64_t key = kq[q];
             const int digit = static_cast<int>((key >> shift) & ((uint64_t(1) << bits) - 1));
             const uint64_t top = done == 0 ? 0 : key >> (KT::kBits - done);
             if (want0 && top == p0) atomicAdd(&hist[0][digit], 1u);
@@ -244,7 +261,7 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
 // ---- level --------------------------------------------------------------------------------
 
 template <typename scalar_t>
-__global__ void __launch_bounds__(kLevelThreads)
+__global__ void __launch_bounds__(kLevelThreads, 2)
 level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state, double* __restrict__ middle,
              unsigned* __restrict__ slice_count, int64_t cap, BinSums* __restrict__ hist,
              LevelPartial* __restrict__ partial, int64_t rows, int64_t n, double sign) {
@@ -313,44 +330,69 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
     };
     const int64_t slice_id = r * gridDim.x + blockIdx.x;
     if (from_row) {
+      // Fast classification in the compute type (fp32 for fp32/fp16/bf16 rows): the range
+      // ends are key values, so exact in it, and the comparisons agree with consider()'s.
+      // The tail exponentials of a tile are summed in it and flushed to the fp64 sums.
+      using F = compute_t<scalar_t>;
+      const F hi_c = static_cast<F>(a_hi), lo_c = static_cast<F>(a_lo), sign_c = static_cast<F>(sign);
+      const F inv_t_c = inv_t < static_cast<double>(std::numeric_limits<F>::max())
+                            ? static_cast<F>(inv_t) : std::numeric_limits<F>::max();
       const scalar_t* xr = x + r * n;
       const bool aligned = is_aligned16(xr);
       const int64_t tile = level_tile<scalar_t>();
       const int64_t tiles = (n + tile - 1) / tile;
       double* slice = gather ? middle + slice_id * cap : nullptr;
       int64_t used = 0;  // the same in every thread
+      unsigned above_n = 0;
       for (int64_t tl = blockIdx.x; tl < tiles; tl += gridDim.x) {
-        double v[kLevelUnroll][V];
-        int valid[kLevelUnroll];
+        RawVec<scalar_t> vec[kLevelUnroll];
 #pragma unroll
         for (int u = 0; u < kLevelUnroll; ++u)  // loads first: kLevelUnroll vectors in flight
-          valid[u] = load_vec<scalar_t, V>(xr, n, tl * tile + (int64_t(u) * kLevelThreads + threadIdx.x) * V,
-                                           aligned, v[u]);
-        bool in[kLevelUnroll][V];
+          vec[u] = load_raw<scalar_t>(xr, n, tl * tile + (int64_t(u) * kLevelThreads + threadIdx.x) * V, aligned);
+        static_assert(kLevelUnroll * V <= 32, "one bit per score of a thread's tile");
+        unsigned in_bits = 0;
         int count = 0;
+        F above_part = 0, below_part = 0;
 #pragma unroll
         for (int u = 0; u < kLevelUnroll; ++u)
 #pragma unroll
           for (int q = 0; q < V; ++q) {
-            v[u][q] *= sign;
-            in[u][q] = q < valid[u] && consider(v[u][q]);
-            count += in[u][q];
+            if (q >= vec[u].valid) continue;
+            const F s = vec[u][q] * sign_c;
+            if (s > hi_c) {
+              if (s == std::numeric_limits<F>::infinity()) acc.pinf += 1;
+              else {
+                ++above_n;
+                above_part += exp_c((hi_c - s) * inv_t_c);
+              }
+            } else if (s < lo_c) {
+              if (s == -std::numeric_limits<F>::infinity()) acc.ninf += 1;
+              else below_part += exp_c((s - lo_c) * inv_t_c);
+            } else if (consider(static_cast<double>(s))) {
+              in_bits |= 1u << (u * V + q);
+              ++count;
+            }
           }
+        acc.above_sum += static_cast<double>(above_part);
+        acc.below_sum += static_cast<double>(below_part);
         if (gather) {  // one block scan per tile keeps the buffer's order deterministic
           int offset, total;
           TileScan(tscan).ExclusiveSum(count, offset, total);
+          if (in_bits != 0) {
 #pragma unroll
-          for (int u = 0; u < kLevelUnroll; ++u)
+            for (int u = 0; u < kLevelUnroll; ++u)
 #pragma unroll
-            for (int q = 0; q < V; ++q)
-              if (in[u][q]) {
-                if (used + offset < cap) slice[used + offset] = v[u][q];
-                ++offset;
-              }
+              for (int q = 0; q < V; ++q)
+                if ((in_bits >> (u * V + q)) & 1u) {
+                  if (used + offset < cap) slice[used + offset] = static_cast<double>(vec[u][q] * sign_c);
+                  ++offset;
+                }
+          }
           used += total;
           __syncthreads();
         }
       }
+      acc.above_count += static_cast<double>(above_n);
       if (gather && threadIdx.x == 0) slice_count[slice_id] = static_cast<unsigned>(used < cap ? used : cap);
       acc.overflow = used > cap;
     } else {
@@ -663,6 +705,9 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     at::Tensor sides = bytes(rows * side_blocks * int64_t(sizeof(GapSides)));
     at::Tensor counts = bytes(rows * chunks * int64_t(sizeof(unsigned)) + 1);
     at::Tensor middle = at::empty({sort ? 1 : rows * chunks * cap}, x.options().dtype(at::kDouble));
+    using Key = typename KeyTraits<scalar_t>::Key;
+    const int64_t sample_cap = sort ? 0 : sample_geometry(n, 0).count;  // offset 0: the largest sample
+    at::Tensor sample_keys = bytes(rows * sample_cap * int64_t(sizeof(Key)) + 1);
     auto* st = reinterpret_cast<RowState*>(state.mutable_data_ptr());
     auto* hs = reinterpret_cast<BinSums*>(hist.mutable_data_ptr());
     auto* lp = reinterpret_cast<LevelPartial*>(partial.mutable_data_ptr());
@@ -673,7 +718,8 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     const unsigned row_blocks = static_cast<unsigned>(rows < 65535 ? rows : 65535);
     const dim3 grid(static_cast<unsigned>(chunks), row_blocks);
     propose_kernel<scalar_t><<<row_blocks, kProposeThreads, 0, stream>>>(
-        xp, k.const_data_ptr<double>(), t.const_data_ptr<double>(), st, rows, n, sign, sort);
+        xp, k.const_data_ptr<double>(), t.const_data_ptr<double>(), st,
+        reinterpret_cast<Key*>(sample_keys.mutable_data_ptr()), sample_cap, rows, n, sign, sort);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     // The first level certifies; a row sent to the fallback then needs a level per digit.
     const int levels = 1 + digits_for(KeyTraits<scalar_t>::kBits);

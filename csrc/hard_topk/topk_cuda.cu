@@ -61,6 +61,7 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
+#include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
@@ -304,39 +305,57 @@ __device__ __forceinline__ void emit(const Params& P, int64_t r, uint64_t pos, u
 // each thread's items at offsets from one block scan (no atomics: the order of the
 // compacted items is a fixed function of the input). pred(key, i) selects; sink(pos,
 // key, i) receives the selected items at consecutive positions. Returns the count.
+// This is the row kernel's one full pass, so it is lean: a whole tile is loaded without
+// bounds checks, each score is keyed and tested once (a bit per score), indices are
+// 32-bit (rows are < 2^32 scores), and only threads with a hit revisit their scores.
 template <typename T, typename Pred, typename Sink>
 __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, bool aligned, uint32_t flip,
                                         typename BlockScan::TempStorage& scan, Pred&& pred, Sink&& sink) {
   constexpr int V = 16 / sizeof(T), U = row_unroll<T>();
+  static_assert(U * V <= 32, "one bit per score of a thread's tile");
   const int64_t nv = (L + V - 1) / V;
   uint32_t base = 0;
   for (int64_t v0 = 0; v0 < nv; v0 += int64_t(kBlock) * U) {
     float vals[U][V];
+    const uint32_t i0 = static_cast<uint32_t>((v0 + threadIdx.x) * V);  // vals[u][e] is score i0 + u*kBlock*V + e
+    uint32_t bits = 0;
+    if (aligned && (v0 + int64_t(kBlock) * U) * V <= L) {  // whole tile (uniform in the block)
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t v = v0 + u * kBlock + threadIdx.x;
-      if (v < nv) load_vec<T>(xr, v, L, aligned, vals[u]);
-    }
-    uint32_t cnt = 0;
+      for (int u = 0; u < U; ++u) {
+        const int4 q = __ldg(reinterpret_cast<const int4*>(xr) + v0 + u * kBlock + threadIdx.x);
+        T t[V];
+        memcpy(t, &q, 16);
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        const int64_t i = (v0 + u * kBlock + threadIdx.x) * V + e;
-        if (i < L && pred(float_key(vals[u][e]) ^ flip, static_cast<uint32_t>(i))) ++cnt;
+        for (int e = 0; e < V; ++e) vals[u][e] = to_float(t[e]);
       }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int e = 0; e < V; ++e)
+          bits |= static_cast<uint32_t>(pred(float_key(vals[u][e]) ^ flip, i0 + u * kBlock * V + e)) << (u * V + e);
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t v = v0 + u * kBlock + threadIdx.x;
+        if (v < nv) load_vec<T>(xr, v, L, aligned, vals[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const int64_t i = (v0 + u * kBlock + threadIdx.x) * V + e;
+          if (i < L && pred(float_key(vals[u][e]) ^ flip, static_cast<uint32_t>(i))) bits |= 1u << (u * V + e);
+        }
     }
     uint32_t pos, agg;
-    BlockScan(scan).ExclusiveSum(cnt, pos, agg);
-    pos += base;
+    BlockScan(scan).ExclusiveSum(static_cast<uint32_t>(__popc(bits)), pos, agg);
+    if (bits != 0) {
+      pos += base;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
+      for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int e = 0; e < V; ++e) {
-        const int64_t i = (v0 + u * kBlock + threadIdx.x) * V + e;
-        const uint32_t key = float_key(vals[u][e]) ^ flip;
-        if (i < L && pred(key, static_cast<uint32_t>(i))) sink(pos++, key, static_cast<uint32_t>(i));
-      }
+        for (int e = 0; e < V; ++e)
+          if ((bits >> (u * V + e)) & 1u) sink(pos++, float_key(vals[u][e]) ^ flip, i0 + u * kBlock * V + e);
     }
     base += agg;
     __syncthreads();  // scan storage reuse
@@ -583,7 +602,18 @@ __global__ void __launch_bounds__(kBlock) g_hist(Params P, int stage) {
     if (st.use_cand) {
       const uint64_t* cr = P.cand + r * P.cap_g;
       const int64_t C = static_cast<int64_t>(st.cand_cnt);
-      for (int64_t j = blockIdx.x * int64_t(kBlock) + threadIdx.x; j < C; j += P.bpr * kBlock) f(cr[j]);
+      constexpr int kU = 4;  // candidate loads in flight per thread
+      for (int64_t j0 = blockIdx.x * int64_t(kBlock) * kU; j0 < C; j0 += P.bpr * int64_t(kBlock) * kU) {
+        uint64_t c[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int64_t j = j0 + u * kBlock + threadIdx.x;
+          c[u] = j < C ? cr[j] : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+          if (j0 + u * kBlock + threadIdx.x < C) f(c[u]);
+      }
     } else {
       const bool aligned = (reinterpret_cast<uintptr_t>(xr) & 15) == 0;
       for_row<T>(xr, st.L, aligned, blockIdx.x, P.bpr, [&](float v, int64_t i) {
@@ -639,6 +669,15 @@ struct StageShared {
   unsigned long long base;
 };
 
+// A slot in the stage for the calling thread: one shared atomic per group of converged
+// threads of a warp, not one per item (at k = n/16 every tile stages hundreds of items).
+__device__ __forceinline__ uint32_t stage_slot(StageShared& ss) {
+  const cooperative_groups::coalesced_group g = cooperative_groups::coalesced_threads();
+  uint32_t first = 0;
+  if (g.thread_rank() == 0) first = atomicAdd(&ss.cnt, g.size());
+  return g.shfl(first, 0) + g.thread_rank();
+}
+
 template <typename Sink>
 __device__ __forceinline__ void flush_stage(uint64_t* buf, StageShared& ss, unsigned long long* counter, Sink&& sink) {
   __syncthreads();
@@ -674,7 +713,7 @@ __global__ void __launch_bounds__(kBlock) g_collect(Params P) {
       [&](float v, int64_t i) {
         const uint32_t key = float_key(v) ^ flip;
         if (key >= thr) {
-          buf[atomicAdd(&ss.cnt, 1u)] = composite(key, static_cast<uint32_t>(i));
+          buf[stage_slot(ss)] = composite(key, static_cast<uint32_t>(i));
           atomicAdd(&hist[key >> 21], 1u);
         }
       },
@@ -744,7 +783,7 @@ __global__ void __launch_bounds__(kBlock) g_output(Params P) {
         const int64_t j = j0 + u * kBlock + threadIdx.x;
         if (j < C) {
           const uint64_t c = cr[j];
-          if (selected(c, prefix, ks)) buf[atomicAdd(&ss.cnt, 1u)] = c;
+          if (selected(c, prefix, ks)) buf[stage_slot(ss)] = c;
         }
       }
       flush_stage(buf, ss, &st.out_cnt, sink);
@@ -754,7 +793,7 @@ __global__ void __launch_bounds__(kBlock) g_output(Params P) {
         xr, st.L, aligned, blockIdx.x, P.bpr,
         [&](float v, int64_t i) {
           const uint64_t c = composite(float_key(v) ^ flip, static_cast<uint32_t>(i));
-          if (selected(c, prefix, ks)) buf[atomicAdd(&ss.cnt, 1u)] = c;
+          if (selected(c, prefix, ks)) buf[stage_slot(ss)] = c;
         },
         [&] { flush_stage(buf, ss, &st.out_cnt, sink); });
   }
