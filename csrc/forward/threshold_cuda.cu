@@ -31,6 +31,7 @@
 #include "../common/cuda_launch.cuh"
 #include "../common/gpu_rows.cuh"
 #include "../common/op_io.h"
+#include "../common/warp_atomics.cuh"
 #include "../ops.h"
 #include "gpu_keys.cuh"
 #include "threshold_cuda.h"
@@ -44,7 +45,7 @@ constexpr int kLevelThreads = 512;
 // 16-byte vectors per thread per tile of the row pass, their loads issued together and kept
 // raw until used (4 converted to fp64 up front took 126 registers: one block per SM).
 constexpr int kLevelUnroll = 4;
-constexpr int kScanThreads = 256;
+constexpr int kScanThreads = 512;  // 4 bins per thread: the scan is a serial chain of fp64 merges
 constexpr int kScanBins = kBins / kScanThreads;  // consecutive bins per scan thread
 constexpr int kProposeThreads = 1024;
 constexpr int kSolveThreads = 256;
@@ -227,8 +228,8 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
             const uint64_t key = kq[q];
             const int digit = static_cast<int>((key >> shift) & ((uint64_t(1) << bits) - 1));
             const uint64_t top = done == 0 ? 0 : key >> (KT::kBits - done);
-            if (want0 && top == p0) atomicAdd(&hist[0][digit], 1u);
-            if (want1 && top == p1) atomicAdd(&hist[1][digit], 1u);
+            if (want0 && top == p0) hist_inc(hist[0], digit);
+            if (want1 && top == p1) hist_inc(hist[1], digit);
           }
         }
         __syncthreads();
@@ -332,18 +333,18 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
     if (from_row) {
       // Fast classification in the compute type (fp32 for fp32/fp16/bf16 rows): the range
       // ends are key values, so exact in it, and the comparisons agree with consider()'s.
-      // The tail exponentials of a tile are summed in it and flushed to the fp64 sums.
+      // Both tails take the same branch-free path (one exponential, its sum picked by a
+      // select); their sums over a tile are kept in it and flushed to the fp64 sums.
       using F = compute_t<scalar_t>;
       const F hi_c = static_cast<F>(a_hi), lo_c = static_cast<F>(a_lo), sign_c = static_cast<F>(sign);
-      const F inv_t_c = inv_t < static_cast<double>(std::numeric_limits<F>::max())
-                            ? static_cast<F>(inv_t) : std::numeric_limits<F>::max();
+      const ScaledExp<F> tail_exp(inv_t);
       const scalar_t* xr = x + r * n;
       const bool aligned = is_aligned16(xr);
       const int64_t tile = level_tile<scalar_t>();
       const int64_t tiles = (n + tile - 1) / tile;
       double* slice = gather ? middle + slice_id * cap : nullptr;
       int64_t used = 0;  // the same in every thread
-      unsigned above_n = 0;
+      unsigned above_n = 0, pinf_n = 0, ninf_n = 0;
       for (int64_t tl = blockIdx.x; tl < tiles; tl += gridDim.x) {
         RawVec<scalar_t> vec[kLevelUnroll];
 #pragma unroll
@@ -359,15 +360,14 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
           for (int q = 0; q < V; ++q) {
             if (q >= vec[u].valid) continue;
             const F s = vec[u][q] * sign_c;
-            if (s > hi_c) {
-              if (s == std::numeric_limits<F>::infinity()) acc.pinf += 1;
-              else {
-                ++above_n;
-                above_part += exp_c((hi_c - s) * inv_t_c);
-              }
-            } else if (s < lo_c) {
-              if (s == -std::numeric_limits<F>::infinity()) acc.ninf += 1;
-              else below_part += exp_c((s - lo_c) * inv_t_c);
+            const bool above = s > hi_c;
+            if (above || s < lo_c) {  // e^{-distance/t}: 0 for +-inf
+              const F e = tail_exp(above ? hi_c - s : s - lo_c);
+              above_part += above ? e : F(0);
+              below_part += above ? F(0) : e;
+              above_n += above && s != std::numeric_limits<F>::infinity();
+              pinf_n += s == std::numeric_limits<F>::infinity();
+              ninf_n += s == -std::numeric_limits<F>::infinity();
             } else if (consider(static_cast<double>(s))) {
               in_bits |= 1u << (u * V + q);
               ++count;
@@ -393,6 +393,8 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
         }
       }
       acc.above_count += static_cast<double>(above_n);
+      acc.pinf += pinf_n;
+      acc.ninf += ninf_n;
       if (gather && threadIdx.x == 0) slice_count[slice_id] = static_cast<unsigned>(used < cap ? used : cap);
       acc.overflow = used > cap;
     } else {
