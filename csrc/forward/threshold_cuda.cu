@@ -7,9 +7,8 @@
 //  level    a grid over each row. Scores above / below the row's key range go to the two
 //           tails (fp64 sums against the range ends, reduced per block in a fixed order);
 //           scores inside go to up to 2048 range atoms ("bins"). On the first level they
-//           are also gathered into the row's middle buffer (one bounded slice per block
-//           and warp, in a deterministic order, no barriers); later levels of a bracketed
-//           row read only that.
+//           are also gathered into the row's middle buffer (one bounded slice per block,
+//           in a deterministic order); later levels of a bracketed row read only that.
 //  scan     one CTA per row: folds the tails; on the first level checks the certificate
 //           Psi(a_R) <= k <= Psi(a_L) (a failure, or a middle set too big for its slices,
 //           sends the row to the radix fallback over the whole row); then the closed-form
@@ -45,9 +44,6 @@ constexpr int kLevelThreads = 512;
 // 16-byte vectors per thread per tile of the row pass, their loads issued together and kept
 // raw until used (4 converted to fp64 up front took 126 registers: one block per SM).
 constexpr int kLevelUnroll = 4;
-// The middle buffer: one slice per (row, level block), split into one part per warp, so a
-// warp gathers its middle scores with ballots and no block-wide barrier per tile.
-constexpr int kLevelWarps = kLevelThreads / 32;
 constexpr int kScanThreads = 256;
 constexpr int kScanBins = kBins / kScanThreads;  // consecutive bins per scan thread
 constexpr int kProposeThreads = 1024;
@@ -273,7 +269,9 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
   using Key = typename KT::Key;
   constexpr int V = vec_width<scalar_t>();
   using Reduce = cub::BlockReduce<LevelPartial, kLevelThreads>;
+  using TileScan = cub::BlockScan<int, kLevelThreads>;
   __shared__ typename Reduce::TempStorage red;
+  __shared__ typename TileScan::TempStorage tscan;
   __shared__ unsigned s_count[kBins];
   __shared__ double s_U[kBins], s_L[kBins];
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
@@ -331,10 +329,6 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
       return true;
     };
     const int64_t slice_id = r * gridDim.x + blockIdx.x;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int64_t wcap = cap / kLevelWarps;  // this warp's part of the block's slice
-    double* wslice = middle + slice_id * cap + warp * wcap;
-    unsigned* wcount = slice_count + slice_id * kLevelWarps + warp;
     if (from_row) {
       // Fast classification in the compute type (fp32 for fp32/fp16/bf16 rows): the range
       // ends are key values, so exact in it, and the comparisons agree with consider()'s.
@@ -347,7 +341,8 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
       const bool aligned = is_aligned16(xr);
       const int64_t tile = level_tile<scalar_t>();
       const int64_t tiles = (n + tile - 1) / tile;
-      int64_t used = 0;  // the same in every lane of the warp
+      double* slice = gather ? middle + slice_id * cap : nullptr;
+      int64_t used = 0;  // the same in every thread
       unsigned above_n = 0, pinf_n = 0, ninf_n = 0;
       for (int64_t tl = blockIdx.x; tl < tiles; tl += gridDim.x) {
         RawVec<scalar_t> vec[kLevelUnroll];
@@ -356,6 +351,7 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
           vec[u] = load_raw<scalar_t>(xr, n, tl * tile + (int64_t(u) * kLevelThreads + threadIdx.x) * V, aligned);
         static_assert(kLevelUnroll * V <= 32, "one bit per score of a thread's tile");
         unsigned in_bits = 0;
+        int count = 0;
         F above_part = 0, below_part = 0;
 #pragma unroll
         for (int u = 0; u < kLevelUnroll; ++u)
@@ -373,32 +369,37 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
               ninf_n += s == -std::numeric_limits<F>::infinity();
             } else if (consider(static_cast<double>(s))) {
               in_bits |= 1u << (u * V + q);
+              ++count;
             }
           }
         acc.above_sum += static_cast<double>(above_part);
         acc.below_sum += static_cast<double>(below_part);
-        if (gather && __any_sync(0xffffffffu, in_bits != 0)) {
-          // the warp's middle scores in (position, lane) order: deterministic, no barrier
+        if (gather) {  // one block scan per tile keeps the buffer's order deterministic
+          int offset, total;
+          TileScan(tscan).ExclusiveSum(count, offset, total);
+          if (in_bits != 0) {
 #pragma unroll
-          for (int u = 0; u < kLevelUnroll; ++u)
+            for (int u = 0; u < kLevelUnroll; ++u)
 #pragma unroll
-            for (int q = 0; q < V; ++q) {
-              const bool in = (in_bits >> (u * V + q)) & 1u;
-              const unsigned hits = __ballot_sync(0xffffffffu, in);
-              const int64_t pos = used + __popc(hits & ((1u << lane) - 1u));
-              if (in && pos < wcap) wslice[pos] = static_cast<double>(vec[u][q] * sign_c);
-              used += __popc(hits);
-            }
+              for (int q = 0; q < V; ++q)
+                if ((in_bits >> (u * V + q)) & 1u) {
+                  if (used + offset < cap) slice[used + offset] = static_cast<double>(vec[u][q] * sign_c);
+                  ++offset;
+                }
+          }
+          used += total;
+          __syncthreads();
         }
       }
       acc.above_count += static_cast<double>(above_n);
       acc.pinf += pinf_n;
       acc.ninf += ninf_n;
-      if (gather && lane == 0) *wcount = static_cast<unsigned>(used < wcap ? used : wcap);
-      acc.overflow = used > wcap;
+      if (gather && threadIdx.x == 0) slice_count[slice_id] = static_cast<unsigned>(used < cap ? used : cap);
+      acc.overflow = used > cap;
     } else {
-      const unsigned count = *wcount;
-      for (unsigned j = lane; j < count; j += 32) consider(wslice[j]);
+      const unsigned count = slice_count[slice_id];
+      const double* slice = middle + slice_id * cap;
+      for (unsigned j = threadIdx.x; j < count; j += blockDim.x) consider(slice[j]);
     }
     const LevelPartial total = Reduce(red).Reduce(acc, LevelPartialSum{});
     if (threadIdx.x == 0) partial[slice_id] = total;
@@ -625,13 +626,11 @@ sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
         for (int q = 0; q < valid; ++q) add(sign * v[q]);
       }
     } else {
-      // the level blocks' slices, each warp reading the part its twin in the level pass wrote
-      const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
       for (int c = blockIdx.x; c < chunks; c += gridDim.x) {
         const int64_t slice_id = r * chunks + c;
-        const unsigned count = slice_count[slice_id * kLevelWarps + warp];
-        const double* wslice = middle + slice_id * cap + warp * (cap / kLevelWarps);
-        for (unsigned j = lane; j < count; j += 32) add(wslice[j]);
+        const unsigned count = slice_count[slice_id];
+        const double* slice = middle + slice_id * cap;
+        for (unsigned j = threadIdx.x; j < count; j += blockDim.x) add(slice[j]);
       }
     }
     const GapSides total = Reduce(tmp).Reduce(acc, GapMerge{inv_t});
@@ -698,7 +697,6 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
       const double share = (2.0 * (kBracketZ * std::sqrt(0.25 * m) + 2.0) + 2.0) / m;
       cap = static_cast<int64_t>(4.0 * share * static_cast<double>(per_block)) + 1024;
       cap = cap > per_block ? per_block : cap;
-      cap = (cap + kLevelWarps - 1) / kLevelWarps * kLevelWarps;  // whole parts per warp
     }
     const auto bytes = [&](int64_t count) { return at::empty({count}, x.options().dtype(at::kByte)); };
     at::Tensor state = bytes(rows * int64_t(sizeof(RowState)));
@@ -706,7 +704,7 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     at::Tensor partial = bytes(rows * chunks * int64_t(sizeof(LevelPartial)));
     const int64_t side_blocks = chunks < kSideBlocks ? chunks : kSideBlocks;
     at::Tensor sides = bytes(rows * side_blocks * int64_t(sizeof(GapSides)));
-    at::Tensor counts = bytes(rows * chunks * kLevelWarps * int64_t(sizeof(unsigned)) + 1);
+    at::Tensor counts = bytes(rows * chunks * int64_t(sizeof(unsigned)) + 1);
     at::Tensor middle = at::empty({sort ? 1 : rows * chunks * cap}, x.options().dtype(at::kDouble));
     using Key = typename KeyTraits<scalar_t>::Key;
     const int64_t sample_cap = sort ? 0 : sample_geometry(n, 0).count;  // offset 0: the largest sample
