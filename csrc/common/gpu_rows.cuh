@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <limits>
 #include <type_traits>
 
 #include "lapsum_math.h"
@@ -77,28 +76,27 @@ struct RawVec {
   }
 };
 
-// Elements [i0, i0 + V) of a row (those below n; none when i0 >= n), raw; the elements
-// past the row's end read as NaN.
+// Elements [i0, i0 + V) of a row (those below n; none when i0 >= n), raw.
 template <typename scalar_t>
 __device__ __forceinline__ RawVec<scalar_t> load_raw(const scalar_t* __restrict__ row, int64_t n, int64_t i0,
                                                      bool aligned) {
   constexpr int V = RawVec<scalar_t>::V;
   RawVec<scalar_t> r;
+  r.raw = make_uint4(0, 0, 0, 0);
   if (aligned && i0 + V <= n) {
     r.raw = __ldg(reinterpret_cast<const uint4*>(row + i0));
     r.valid = V;
     return r;
   }
   scalar_t s[V];
+  memcpy(s, &r.raw, 16);
   r.valid = 0;
 #pragma unroll
-  for (int q = 0; q < V; ++q) {
-    s[q] = std::numeric_limits<scalar_t>::quiet_NaN();
+  for (int q = 0; q < V; ++q)
     if (i0 + q < n) {
       s[q] = row[i0 + q];
       ++r.valid;
     }
-  }
   memcpy(&r.raw, s, 16);
   return r;
 }

@@ -332,7 +332,8 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
     if (from_row) {
       // Fast classification in the compute type (fp32 for fp32/fp16/bf16 rows): the range
       // ends are key values, so exact in it, and the comparisons agree with consider()'s.
-      // Tail sums over a tile are kept in it and flushed to the fp64 sums.
+      // Both tails take the same branch-free path (one exponential, its sum picked by a
+      // select); their sums over a tile are kept in it and flushed to the fp64 sums.
       using F = compute_t<scalar_t>;
       const F hi_c = static_cast<F>(a_hi), lo_c = static_cast<F>(a_lo), sign_c = static_cast<F>(sign);
       const ScaledExp<F> tail_exp(inv_t);
@@ -349,42 +350,28 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
         for (int u = 0; u < kLevelUnroll; ++u)  // loads first: kLevelUnroll vectors in flight
           vec[u] = load_raw<scalar_t>(xr, n, tl * tile + (int64_t(u) * kLevelThreads + threadIdx.x) * V, aligned);
         static_assert(kLevelUnroll * V <= 32, "one bit per score of a thread's tile");
-        // Straight-line pass over the tile: every score's tail exponential (used only by
-        // the tail it is in) and bit masks; no branch per score. The rest (in the range,
-        // NaN, past the row's end: those load as NaN) goes through consider() after.
-        F above_part = 0, below_part = 0;
-        unsigned above_bits = 0, inf_bits = 0, rest_bits = 0, valid_bits = 0;
-#pragma unroll
-        for (int u = 0; u < kLevelUnroll; ++u) {
-          valid_bits |= ((1u << vec[u].valid) - 1u) << (u * V);
-#pragma unroll
-          for (int q = 0; q < V; ++q) {
-            const F s = vec[u][q] * sign_c;
-            const bool above = s > hi_c, below = s < lo_c;
-            const F e = tail_exp(above ? hi_c - s : s - lo_c);  // 0 for +-inf
-            above_part += above ? e : F(0);
-            below_part += below ? e : F(0);
-            above_bits |= static_cast<unsigned>(above) << (u * V + q);
-            inf_bits |= static_cast<unsigned>(fabs(s) == std::numeric_limits<F>::infinity()) << (u * V + q);
-            rest_bits |= static_cast<unsigned>(!(above || below)) << (u * V + q);
-          }
-        }
-        above_n += __popc(above_bits & ~inf_bits);
-        pinf_n += __popc(above_bits & inf_bits);
-        ninf_n += __popc(inf_bits & ~above_bits);
-        rest_bits &= valid_bits;
         unsigned in_bits = 0;
         int count = 0;
-        if (rest_bits != 0) {
+        F above_part = 0, below_part = 0;
 #pragma unroll
-          for (int u = 0; u < kLevelUnroll; ++u)
+        for (int u = 0; u < kLevelUnroll; ++u)
 #pragma unroll
-            for (int q = 0; q < V; ++q)
-              if (((rest_bits >> (u * V + q)) & 1u) && consider(static_cast<double>(vec[u][q] * sign_c))) {
-                in_bits |= 1u << (u * V + q);
-                ++count;
-              }
-        }
+          for (int q = 0; q < V; ++q) {
+            if (q >= vec[u].valid) continue;
+            const F s = vec[u][q] * sign_c;
+            const bool above = s > hi_c;
+            if (above || s < lo_c) {  // e^{-distance/t}: 0 for +-inf
+              const F e = tail_exp(above ? hi_c - s : s - lo_c);
+              above_part += above ? e : F(0);
+              below_part += above ? F(0) : e;
+              above_n += above && s != std::numeric_limits<F>::infinity();
+              pinf_n += s == std::numeric_limits<F>::infinity();
+              ninf_n += s == -std::numeric_limits<F>::infinity();
+            } else if (consider(static_cast<double>(s))) {
+              in_bits |= 1u << (u * V + q);
+              ++count;
+            }
+          }
         acc.above_sum += static_cast<double>(above_part);
         acc.below_sum += static_cast<double>(below_part);
         if (gather) {  // one block scan per tile keeps the buffer's order deterministic
