@@ -37,8 +37,8 @@ constexpr int vec_width() {
 }
 
 // The type a per-element pass classifies and exponentiates in: fp64 for fp64 rows, fp32
-// otherwise (every fp16/bf16/fp32 score is exact in fp32, and fp32 avoids the quarter-rate
-// fp32<->fp64 conversions that bound a pass doing them per score).
+// otherwise (every fp16/bf16/fp32 score is exact in fp32, and fp32 saves the fp32<->fp64
+// conversions, quarter rate on sm_90, that fp64 arithmetic per score needs).
 template <typename scalar_t>
 using compute_t = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
 
