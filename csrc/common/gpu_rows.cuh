@@ -66,7 +66,7 @@ struct ScaledExp<double> {
 // thread can hold several loads in flight without the registers of their converted values.
 template <typename scalar_t>
 struct RawVec {
-  static constexpr int V = 16 / static_cast<int>(sizeof(scalar_t));
+  static constexpr int V = vec_width<scalar_t>();
   uint4 raw;
   int valid;  // elements [0, valid) are scores of the row
   __device__ __forceinline__ compute_t<scalar_t> operator[](int q) const {
@@ -82,14 +82,12 @@ __device__ __forceinline__ RawVec<scalar_t> load_raw(const scalar_t* __restrict_
                                                      bool aligned) {
   constexpr int V = RawVec<scalar_t>::V;
   RawVec<scalar_t> r;
-  r.raw = make_uint4(0, 0, 0, 0);
   if (aligned && i0 + V <= n) {
     r.raw = __ldg(reinterpret_cast<const uint4*>(row + i0));
     r.valid = V;
     return r;
   }
-  scalar_t s[V];
-  memcpy(s, &r.raw, 16);
+  scalar_t s[V] = {};  // elements past the row's end stay 0 (never read: see valid)
   r.valid = 0;
 #pragma unroll
   for (int q = 0; q < V; ++q)

@@ -321,13 +321,7 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
     uint32_t bits = 0;
     if (aligned && (v0 + int64_t(kBlock) * U) * V <= L) {  // whole tile (uniform in the block)
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int4 q = __ldg(reinterpret_cast<const int4*>(xr) + v0 + u * kBlock + threadIdx.x);
-        T t[V];
-        memcpy(t, &q, 16);
-#pragma unroll
-        for (int e = 0; e < V; ++e) vals[u][e] = to_float(t[e]);
-      }
+      for (int u = 0; u < U; ++u) load_vec<T>(xr, v0 + u * kBlock + threadIdx.x, L, true, vals[u]);
 #pragma unroll
       for (int u = 0; u < U; ++u)
 #pragma unroll
