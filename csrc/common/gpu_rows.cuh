@@ -68,7 +68,6 @@ template <typename scalar_t>
 struct RawVec {
   static constexpr int V = vec_width<scalar_t>();
   uint4 raw;
-  int valid;  // elements [0, valid) are scores of the row
   __device__ __forceinline__ compute_t<scalar_t> operator[](int q) const {
     scalar_t s[V];
     memcpy(s, &raw, 16);
@@ -76,25 +75,19 @@ struct RawVec {
   }
 };
 
-// Elements [i0, i0 + V) of a row (those below n; none when i0 >= n), raw.
+// Elements [i0, i0 + V) of a row, raw; those at or past n read as `past_end`.
 template <typename scalar_t>
 __device__ __forceinline__ RawVec<scalar_t> load_raw(const scalar_t* __restrict__ row, int64_t n, int64_t i0,
-                                                     bool aligned) {
+                                                     bool aligned, scalar_t past_end) {
   constexpr int V = RawVec<scalar_t>::V;
   RawVec<scalar_t> r;
   if (aligned && i0 + V <= n) {
     r.raw = __ldg(reinterpret_cast<const uint4*>(row + i0));
-    r.valid = V;
     return r;
   }
-  scalar_t s[V] = {};  // elements past the row's end stay 0 (never read: see valid)
-  r.valid = 0;
+  scalar_t s[V];
 #pragma unroll
-  for (int q = 0; q < V; ++q)
-    if (i0 + q < n) {
-      s[q] = row[i0 + q];
-      ++r.valid;
-    }
+  for (int q = 0; q < V; ++q) s[q] = i0 + q < n ? row[i0 + q] : past_end;
   memcpy(&r.raw, s, 16);
   return r;
 }

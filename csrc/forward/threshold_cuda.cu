@@ -2,13 +2,15 @@
 // §1.2, with the radix bracket over the whole row as its exact fallback, in one fixed
 // launch sequence (no host sync; a row that is done skips the remaining launches).
 //
-//  propose  one CTA per row: the noised systematic sample of bracket_rule.h and two of its
-//           order statistics (radix select in shared memory) -> the bracket's key range.
+//  sample   a few blocks per row: the noised systematic sample of bracket_rule.h (its keys
+//           kept in a workspace) and the histogram of their first digit.
+//  propose  one CTA per row: two order statistics of the sample (radix select; the later
+//           digits read the kept keys) -> the bracket's key range.
 //  level    a grid over each row. Scores above / below the row's key range go to the two
 //           tails (fp64 sums against the range ends, reduced per block in a fixed order);
-//           scores inside go to up to 2048 range atoms ("bins"). On the first level they
-//           are also gathered into the row's middle buffer (one bounded slice per block,
-//           in a deterministic order); later levels of a bracketed row read only that.
+//           scores inside go to up to 2048 range atoms ("bins"). A bracketed row's first
+//           level only gathers those into the row's middle buffer (one bounded slice per
+//           block, in a deterministic order); every later level of it reads only that.
 //  scan     one CTA per row: folds the tails; on the first level checks the certificate
 //           Psi(a_R) <= k <= Psi(a_L) (a failure, or a middle set too big for its slices,
 //           sends the row to the radix fallback over the whole row); then the closed-form
@@ -21,6 +23,7 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <limits>
 #include <cub/block/block_reduce.cuh>
@@ -47,15 +50,24 @@ constexpr int kLevelUnroll = 4;
 constexpr int kScanThreads = 256;  // 512 (4 bins per thread) measured no faster on the H200
 constexpr int kScanBins = kBins / kScanThreads;  // consecutive bins per scan thread
 constexpr int kProposeThreads = 1024;
+constexpr int kSampleThreads = 256;
+constexpr int64_t kMaxSampleBlocks = 64;  // blocks per row gathering the sample
 constexpr int kSolveThreads = 256;
 constexpr int64_t kMaxChunks = 1024;  // blocks per row in the row-wide passes
 constexpr int64_t kSideBlocks = 128;  // blocks per row of the sides pass
+constexpr unsigned kMiddleBlocks = 256;  // blocks per row of a level over the middle set
 
 enum RowStatus : int { kRefineMiddle = 0, kRefineRow = 1, kSolveMiddle = 2, kSolveRow = 3, kDone = 4 };
+// Certification still ahead of a row. kCertifyRow: the next level is the first pass over
+// the row; a bracketed row only gathers its middle set there (the scan after it waits), so
+// that the rare middle scores keep the row pass's loop lean. kCertifyMiddle: the next level
+// bins that gathered set. The scan after the binning level checks the certificate (or
+// settles the row: non-finite scores, k at an end).
+enum Certify : int { kCertified = 0, kCertifyRow = 1, kCertifyMiddle = 2 };
 
 struct RowState {
   int status;
-  int certify;              // the next scan is the first level (certification, settling)
+  int certify;              // Certify
   uint64_t lo_key, hi_key;  // key range being refined, inclusive
   double k, t;              // budget left for the finite scores (after the first scan), temperature
   Tail above0, below0;      // scores outside the bracket: carried into the middle-buffer levels
@@ -146,15 +158,58 @@ __device__ inline Atom bin_atom(const BinSums& h, uint64_t lo, uint64_t hi, int 
   return Atom{KT::value(Key(b.first)), KT::value(Key(b.last)), static_cast<double>(h.count), h.U, h.L};
 }
 
-// ---- propose ------------------------------------------------------------------------------
+// ---- sample and propose --------------------------------------------------------------------
 
-// Radix select of two order statistics (ascending ranks) of the noised sample. rank < 0 or
-// >= m leaves that end open.
+// The noised systematic sample of every row: its keys, kept in the row's workspace slice
+// for propose's later digits, and the histogram of their first digit. Several blocks per
+// row: each sample is its own memory transaction, so one block alone waits on latency.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kSampleThreads)
+sample_kernel(const scalar_t* __restrict__ x, const double* __restrict__ t_in,
+              typename KeyTraits<scalar_t>::Key* __restrict__ sample_keys, int64_t sample_cap,
+              unsigned* __restrict__ sample_hist, int64_t rows, int64_t n, double sign) {
+  using KT = KeyTraits<scalar_t>;
+  using Key = typename KT::Key;
+  constexpr int kBatch = 4;  // independent gathers in flight per thread
+  __shared__ unsigned hist[kBins];
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    for (int j = threadIdx.x; j < kBins; j += blockDim.x) hist[j] = 0;
+    __syncthreads();
+    const SampleGeometry g = sample_geometry(n, r);
+    const double t = t_in[r];
+    Key* keys = sample_keys + r * sample_cap;
+    const int64_t step = int64_t(gridDim.x) * blockDim.x * kBatch;
+    for (int64_t base = int64_t(blockIdx.x) * blockDim.x * kBatch + threadIdx.x; base < g.count; base += step) {
+      double v[kBatch];
+#pragma unroll
+      for (int q = 0; q < kBatch; ++q) {
+        const int64_t i = base + int64_t(q) * blockDim.x;
+        v[q] = i < g.count ? static_cast<double>(x[r * n + g.offset + i * g.stride]) : 0.0;
+      }
+#pragma unroll
+      for (int q = 0; q < kBatch; ++q) {
+        const int64_t i = base + int64_t(q) * blockDim.x;
+        if (i >= g.count) continue;
+        const Key key = KT::key(sign * v[q] + t * static_cast<double>(laplace_noise_f(static_cast<uint32_t>(i))));
+        keys[i] = key;
+        atomicAdd(&hist[static_cast<int>(static_cast<uint64_t>(key) >> (KT::kBits - kDigitBits))], 1u);
+      }
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < kBins; j += blockDim.x)
+      if (hist[j] != 0) atomicAdd(&sample_hist[r * kBins + j], hist[j]);
+    __syncthreads();
+  }
+}
+
+// Radix select of two order statistics (ascending ranks) of the noised sample: the first
+// digit's histogram comes from sample_kernel, the later digits read the cached keys.
+// rank < 0 or >= m leaves that end open.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kProposeThreads)
-propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, const double* __restrict__ t_in,
-               RowState* __restrict__ state, typename KeyTraits<scalar_t>::Key* __restrict__ sample_keys,
-               int64_t sample_cap, int64_t rows, int64_t n, double sign, bool sort) {
+propose_kernel(const double* __restrict__ k_in, const double* __restrict__ t_in, RowState* __restrict__ state,
+               const typename KeyTraits<scalar_t>::Key* __restrict__ sample_keys, int64_t sample_cap,
+               const unsigned* __restrict__ sample_hist, int64_t rows, int64_t n, bool sort) {
   using KT = KeyTraits<scalar_t>;
   using Key = typename KT::Key;
   using Scan = cub::BlockScan<unsigned, kProposeThreads>;
@@ -166,7 +221,7 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
     const double k = k_in[r], t = t_in[r], nn = static_cast<double>(n);
     RowState st{};
     st.status = sort ? kRefineRow : kRefineMiddle;
-    st.certify = 1;
+    st.certify = kCertifyRow;
     st.lo_key = KT::min_key();
     st.hi_key = KT::max_key();
     st.k = k;
@@ -184,54 +239,39 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
         s_rank[1] = iu;
         s_prefix[0] = s_prefix[1] = 0;
       }
-      __syncthreads();
+      const Key* keys = sample_keys + r * sample_cap;
       int done = 0;
       for (int level = 0; level < digits_for(KT::kBits); ++level) {
         const int bits = KT::kBits - done < kDigitBits ? KT::kBits - done : kDigitBits;
         const int shift = KT::kBits - done - bits;
-        for (int j = threadIdx.x; j < 2 * kBins; j += blockDim.x) hist[j / kBins][j % kBins] = 0;
-        __syncthreads();
-        const uint64_t p0 = s_prefix[0], p1 = s_prefix[1];
-        const bool want0 = s_rank[0] >= 0 && s_rank[0] < g.count, want1 = s_rank[1] >= 0 && s_rank[1] < g.count;
-        // kBatch independent loads in flight per thread. The first digit gathers the strided
-        // sample (each score its own memory transaction: latency-bound), noises it and keeps
-        // the keys in the row's workspace slice; later digits read those back, coalesced.
-        constexpr int kBatch = 8;
-        Key* keys = sample_keys + r * sample_cap;
-        for (int64_t base = threadIdx.x; base < g.count; base += int64_t(kBatch) * blockDim.x) {
-          Key kq[kBatch];
-          if (level == 0) {
-            double v[kBatch];
-#pragma unroll
-            for (int q = 0; q < kBatch; ++q) {
-              const int64_t i = base + int64_t(q) * blockDim.x;
-              v[q] = i < g.count ? static_cast<double>(x[r * n + g.offset + i * g.stride]) : 0.0;
-            }
-#pragma unroll
-            for (int q = 0; q < kBatch; ++q) {
-              const int64_t i = base + int64_t(q) * blockDim.x;
-              kq[q] = KT::key(sign * v[q] + t * static_cast<double>(laplace_noise_f(static_cast<uint32_t>(i))));
-              if (i < g.count) keys[i] = kq[q];
-            }
-          } else {
+        if (level == 0) {  // both ends share the first digit's histogram
+          for (int j = threadIdx.x; j < kBins; j += blockDim.x) hist[0][j] = hist[1][j] = sample_hist[r * kBins + j];
+          __syncthreads();
+        } else {
+          for (int j = threadIdx.x; j < 2 * kBins; j += blockDim.x) hist[j / kBins][j % kBins] = 0;
+          __syncthreads();
+          const uint64_t p0 = s_prefix[0], p1 = s_prefix[1];
+          const bool want0 = s_rank[0] >= 0 && s_rank[0] < g.count, want1 = s_rank[1] >= 0 && s_rank[1] < g.count;
+          constexpr int kBatch = 8;  // coalesced key loads in flight per thread
+          for (int64_t base = threadIdx.x; base < g.count; base += int64_t(kBatch) * blockDim.x) {
+            Key kq[kBatch];
 #pragma unroll
             for (int q = 0; q < kBatch; ++q) {
               const int64_t i = base + int64_t(q) * blockDim.x;
               kq[q] = i < g.count ? keys[i] : Key(0);
             }
-          }
 #pragma unroll
-          for (int q = 0; q < kBatch; ++q) {
-            const int64_t i = base + int64_t(q) * blockDim.x;
-            if (i >= g.count) continue;
-            const uint64_t key = kq[q];
-            const int digit = static_cast<int>((key >> shift) & ((uint64_t(1) << bits) - 1));
-            const uint64_t top = done == 0 ? 0 : key >> (KT::kBits - done);
-            if (want0 && top == p0) atomicAdd(&hist[0][digit], 1u);
-            if (want1 && top == p1) atomicAdd(&hist[1][digit], 1u);
+            for (int q = 0; q < kBatch; ++q) {
+              if (base + int64_t(q) * blockDim.x >= g.count) continue;
+              const uint64_t key = kq[q];
+              const int digit = static_cast<int>((key >> shift) & ((uint64_t(1) << bits) - 1));
+              const uint64_t top = key >> (KT::kBits - done);
+              if (want0 && top == p0) atomicAdd(&hist[0][digit], 1u);
+              if (want1 && top == p1) atomicAdd(&hist[1][digit], 1u);
+            }
           }
+          __syncthreads();
         }
-        __syncthreads();
         for (int target = 0; target < 2; ++target) {
           unsigned c[2] = {hist[target][2 * threadIdx.x], hist[target][2 * threadIdx.x + 1]}, e[2];
           Scan(scan).ExclusiveSum(c, e);
@@ -267,7 +307,9 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
              LevelPartial* __restrict__ partial, int64_t rows, int64_t n, double sign) {
   using KT = KeyTraits<scalar_t>;
   using Key = typename KT::Key;
+  using F = compute_t<scalar_t>;
   constexpr int V = vec_width<scalar_t>();
+  constexpr int U = kLevelUnroll;
   using Reduce = cub::BlockReduce<LevelPartial, kLevelThreads>;
   using TileScan = cub::BlockScan<int, kLevelThreads>;
   __shared__ typename Reduce::TempStorage red;
@@ -277,9 +319,18 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const RowState st = state[r];
     if (st.status != kRefineMiddle && st.status != kRefineRow) continue;  // uniform across the block
-    const bool from_row = st.status == kRefineRow || st.certify;
-    const bool gather = st.status == kRefineMiddle && st.certify;
-    for (int j = threadIdx.x; j < kBins; j += blockDim.x) { s_count[j] = 0; s_U[j] = 0.0; s_L[j] = 0.0; }
+    const bool gather = st.status == kRefineMiddle && st.certify == kCertifyRow;  // no bins
+    const bool from_row = st.status == kRefineRow || gather;
+    const int64_t slice_id = r * gridDim.x + blockIdx.x;
+    // The middle set is small: a wave of blocks reads it (a block's fixed cost, zeroing and
+    // flushing 2048 bins, is most of a pass over it). The others add nothing to the sums.
+    const unsigned readers = gridDim.x < kMiddleBlocks ? gridDim.x : kMiddleBlocks;
+    if (!from_row && blockIdx.x >= readers) {
+      if (threadIdx.x == 0 && st.certify != kCertifyMiddle) partial[slice_id] = LevelPartial{};
+      continue;
+    }
+    if (!gather)
+      for (int j = threadIdx.x; j < kBins; j += blockDim.x) { s_count[j] = 0; s_U[j] = 0.0; s_L[j] = 0.0; }
     __syncthreads();
     const uint64_t lo = st.lo_key, hi = st.hi_key;
     const int shift = bin_shift(lo, hi);
@@ -328,85 +379,135 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
       acc.middle += 1;
       return true;
     };
-    const int64_t slice_id = r * gridDim.x + blockIdx.x;
     if (from_row) {
-      // Fast classification in the compute type (fp32 for fp32/fp16/bf16 rows): the range
-      // ends are key values, so exact in it, and the comparisons agree with consider()'s.
-      // Both tails take the same branch-free path (one exponential, its sum picked by a
-      // select); their sums over a tile are kept in it and flushed to the fp64 sums.
-      // Measured slower on the H200 (1e8, fp32), so not done: gathering per warp with
-      // ballots instead of the block scan (level 455 vs 375 us under ncu), and a
-      // straight-line tile pass with bit masks and consider() after (forward 0.90 vs 0.82 ms).
-      using F = compute_t<scalar_t>;
+      // Classification in the compute type (fp32 for fp32/fp16/bf16 rows): the range ends
+      // are key values, so exact in it, and the comparisons agree with consider()'s. Both
+      // tails take the same branch-free path (one exponential, its sum picked by a select),
+      // summed per tile in it and flushed to the fp64 sums. A gathering pass issues the next
+      // tile's loads before it classifies a tile, so they are in flight across its barriers.
       const F hi_c = static_cast<F>(a_hi), lo_c = static_cast<F>(a_lo), sign_c = static_cast<F>(sign);
       const ScaledExp<F> tail_exp(inv_t);
       const scalar_t* xr = x + r * n;
       const bool aligned = is_aligned16(xr);
       const int64_t tile = level_tile<scalar_t>();
       const int64_t tiles = (n + tile - 1) / tile;
-      double* slice = gather ? middle + slice_id * cap : nullptr;
-      int64_t used = 0;  // the same in every thread
-      unsigned above_n = 0, pinf_n = 0, ninf_n = 0;
-      for (int64_t tl = blockIdx.x; tl < tiles; tl += gridDim.x) {
-        RawVec<scalar_t> vec[kLevelUnroll];
+      double* slice = middle + slice_id * cap;
+      int64_t used = 0;  // gathered so far by the block (the same in every thread)
+      unsigned above_n = 0, pinf_n = 0, ninf_n = 0, nan_n = 0;
+      static_assert(U * V <= 32, "one bit per score of a thread's tile");
+      const scalar_t past_end = std::numeric_limits<scalar_t>::quiet_NaN();
+      const auto load_tile = [&](RawVec<scalar_t>(&vec)[U], int64_t tl) {
 #pragma unroll
-        for (int u = 0; u < kLevelUnroll; ++u)  // loads first: kLevelUnroll vectors in flight
-          vec[u] = load_raw<scalar_t>(xr, n, tl * tile + (int64_t(u) * kLevelThreads + threadIdx.x) * V, aligned);
-        static_assert(kLevelUnroll * V <= 32, "one bit per score of a thread's tile");
+        for (int u = 0; u < U; ++u)
+          vec[u] = load_raw<scalar_t>(xr, n, tl * tile + (int64_t(u) * kLevelThreads + threadIdx.x) * V, aligned,
+                                      past_end);
+      };
+      // One tile: the tails, and a bit per score inside the range (a gathering pass gathers
+      // those, a binning pass bins them with consider()). The tails count +inf as above; a
+      // tile with a non-finite score, or a lane past the row's end (loaded as NaN), is looked
+      // at again to count those exactly. Non-finite scores are never gathered.
+      const auto classify = [&](const RawVec<scalar_t>(&vec)[U], int64_t tl, auto gather_tag) -> unsigned {
+        constexpr bool kGather = decltype(gather_tag)::value;
+        constexpr F kMax = std::numeric_limits<F>::max(), kInf = std::numeric_limits<F>::infinity();
+        const auto index = [&](int u, int q) { return tl * tile + (int64_t(u) * kLevelThreads + threadIdx.x) * V + q; };
         unsigned in_bits = 0;
-        int count = 0;
+        bool odd = false;
         F above_part = 0, below_part = 0;
 #pragma unroll
-        for (int u = 0; u < kLevelUnroll; ++u)
+        for (int u = 0; u < U; ++u)
 #pragma unroll
           for (int q = 0; q < V; ++q) {
-            if (q >= vec[u].valid) continue;
+            // Branch-free but for a binning pass's rare consider(): e^{-distance/t} (0 for
+            // +-inf) is computed for every score and kept for the tails only.
             const F s = vec[u][q] * sign_c;
-            const bool above = s > hi_c;
-            if (above || s < lo_c) {  // e^{-distance/t}: 0 for +-inf
-              const F e = tail_exp(above ? hi_c - s : s - lo_c);
-              above_part += above ? e : F(0);
-              below_part += above ? F(0) : e;
-              above_n += above && s != std::numeric_limits<F>::infinity();
-              pinf_n += s == std::numeric_limits<F>::infinity();
-              ninf_n += s == -std::numeric_limits<F>::infinity();
-            } else if (consider(static_cast<double>(s))) {
-              in_bits |= 1u << (u * V + q);
-              ++count;
-            }
+            const bool above = s > hi_c, below = s < lo_c, finite = fabs(s) <= kMax;
+            const F e = tail_exp(above ? hi_c - s : s - lo_c);
+            above_part += above ? e : F(0);
+            below_part += below ? e : F(0);
+            above_n += above;
+            odd |= !finite;
+            const bool inside = !above && !below;
+            if (kGather) in_bits |= static_cast<unsigned>(inside && finite) << (u * V + q);
+            else if (inside && index(u, q) < n) consider(static_cast<double>(s));
           }
         acc.above_sum += static_cast<double>(above_part);
         acc.below_sum += static_cast<double>(below_part);
-        if (gather) {  // one block scan per tile keeps the buffer's order deterministic
-          int offset, total;
-          TileScan(tscan).ExclusiveSum(count, offset, total);
-          if (in_bits != 0) {
+        if (odd) {
 #pragma unroll
-            for (int u = 0; u < kLevelUnroll; ++u)
+          for (int u = 0; u < U; ++u)
 #pragma unroll
-              for (int q = 0; q < V; ++q)
-                if ((in_bits >> (u * V + q)) & 1u) {
-                  if (used + offset < cap) slice[used + offset] = static_cast<double>(vec[u][q] * sign_c);
-                  ++offset;
-                }
-          }
-          used += total;
-          __syncthreads();
+            for (int q = 0; q < V; ++q) {
+              const F s = vec[u][q] * sign_c;
+              if (fabs(s) <= kMax || index(u, q) >= n) continue;
+              if (s > hi_c) {  // +inf
+                --above_n;
+                ++pinf_n;
+              } else if (s < lo_c) {
+                ++ninf_n;
+              } else if (kGather) {  // consider() counted these in a binning pass
+                nan_n += s != s;
+                pinf_n += s == kInf;
+                ninf_n += s == -kInf;
+              }
+            }
         }
-      }
+        return in_bits;
+      };
+      // Both kinds of pass, each its own compact loop.
+      const auto run_tiles = [&](auto gather_tag) {
+        constexpr bool kGather = decltype(gather_tag)::value;
+        RawVec<scalar_t> vec[U];
+        if (kGather && blockIdx.x < tiles) load_tile(vec, blockIdx.x);
+        for (int64_t tl = blockIdx.x; tl < tiles; tl += gridDim.x) {
+          RawVec<scalar_t> next[U];  // a gathering pass prefetches (a binning one has no registers to spare)
+          if (!kGather) load_tile(vec, tl);
+          else if (tl + gridDim.x < tiles) load_tile(next, tl + gridDim.x);
+          const unsigned in_bits = classify(vec, tl, gather_tag);
+          if (kGather) {  // one block scan per tile keeps the buffer's order deterministic
+            int offset, total;
+            TileScan(tscan).ExclusiveSum(__popc(in_bits), offset, total);
+            // The rare gathered scores are read again (cache hits), so that the tile's
+            // registers are free across the scan for the next tile's loads.
+            for (unsigned bits = in_bits; bits != 0; bits &= bits - 1, ++offset) {
+              const int b = __ffs(bits) - 1, u = b / V, q = b % V;
+              if (used + offset < cap)
+                slice[used + offset] = sign * static_cast<double>(xr[tl * tile + (int64_t(u) * kLevelThreads + threadIdx.x) * V + q]);
+            }
+            used += total;
+            __syncthreads();
+          }
+          if (kGather)
+#pragma unroll
+            for (int u = 0; u < U; ++u) vec[u] = next[u];
+        }
+      };
+      if (gather) run_tiles(std::true_type{});
+      else run_tiles(std::false_type{});
       acc.above_count += static_cast<double>(above_n);
       acc.pinf += pinf_n;
       acc.ninf += ninf_n;
-      if (gather && threadIdx.x == 0) slice_count[slice_id] = static_cast<unsigned>(used < cap ? used : cap);
-      acc.overflow = used > cap;
+      acc.nan += nan_n;
+      if (gather) {
+        if (threadIdx.x == 0) slice_count[slice_id] = static_cast<unsigned>(used < cap ? used : cap);
+        acc.overflow = used > cap;
+      }
     } else {
-      const unsigned count = slice_count[slice_id];
-      const double* slice = middle + slice_id * cap;
-      for (unsigned j = threadIdx.x; j < count; j += blockDim.x) consider(slice[j]);
+      // The gathered middle set. Binning it first (certification) also drops the scores that
+      // lie outside the range by key (a signed zero at an end): they are summed in the tails
+      // here, and later passes over the set must not see them again.
+      const bool first = st.certify == kCertifyMiddle;
+      for (int64_t c = blockIdx.x; c < gridDim.x; c += readers) {
+        const unsigned count = slice_count[r * gridDim.x + c];
+        double* slice = middle + (r * gridDim.x + c) * cap;
+        for (unsigned j = threadIdx.x; j < count; j += blockDim.x)
+          if (!consider(slice[j]) && first) slice[j] = -INFINITY;  // skipped by every later pass
+      }
     }
     const LevelPartial total = Reduce(red).Reduce(acc, LevelPartialSum{});
-    if (threadIdx.x == 0) partial[slice_id] = total;
+    if (threadIdx.x == 0)  // binning the gathered set adds to its row pass's sums
+      partial[slice_id] = st.certify == kCertifyMiddle ? LevelPartialSum{}(partial[slice_id], total) : total;
     __syncthreads();
+    if (gather) continue;  // no bins
     BinSums* h = hist + r * kBins;
     for (int j = threadIdx.x; j < kBins; j += blockDim.x) {
       if (s_count[j] == 0) continue;
@@ -422,7 +523,7 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
 
 __device__ inline RowState fallback_state(RowState st, uint64_t min_key, uint64_t max_key) {
   st.status = kRefineRow;
-  st.certify = 0;
+  st.certify = kCertified;
   st.lo_key = min_key;
   st.hi_key = max_key;
   st.above0 = Tail{0.0, 0.0, INFINITY};
@@ -446,14 +547,19 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
     typename AtomScan::TempStorage scan;
     typename MinIndex::TempStorage min;
   } tmp;
-  __shared__ double suf_hi[kBins], suf_L[kBins];  // suffix (lower bins + lower tail) of each bin
+  __shared__ Atom s_group[kScanThreads], s_above[kScanThreads];
   __shared__ LevelPartial s_total;
   __shared__ Atom s_prefix_all, s_suffix_all;
   __shared__ double s_gap_lo, s_gap_hi;
-  __shared__ int s_inside, s_first;
+  __shared__ int s_inside, s_owner;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     RowState st = state[r];
     if (st.status != kRefineMiddle && st.status != kRefineRow) continue;  // uniform
+    if (st.status == kRefineMiddle && st.certify == kCertifyRow) {  // gathered, bins next
+      __syncthreads();  // every thread has read the state
+      if (threadIdx.x == 0) state[r].certify = kCertifyMiddle;
+      continue;
+    }
     BinSums* h = hist + r * kBins;
     LevelPartial acc{0.0, 0.0, 0.0, 0, 0, 0, 0, 0};
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) acc = LevelPartialSum{}(acc, partial[r * chunks + c]);
@@ -464,7 +570,7 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
     const double t = st.t;
     const uint64_t lo = st.lo_key, hi = st.hi_key;
     bool finished = false;  // uniform: every thread decides the same
-    if (st.certify) {
+    if (st.certify != kCertified) {
       double b, edge, kf;
       if (settle_row(k_in[r], t, static_cast<double>(n), static_cast<double>(total.nan),
                      static_cast<double>(total.pinf), static_cast<double>(total.ninf), &b, &edge, &kf)) {
@@ -489,14 +595,14 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
     if (!finished) {
       const double a_hi = KT::value(Key(hi)), a_lo = KT::value(Key(lo));
       Tail above{total.above_count, total.above_sum, a_hi}, below{0.0, total.below_sum, a_lo};
-      if (st.status == kRefineMiddle && !st.certify) {  // add the scores outside the bracket
+      if (st.status == kRefineMiddle && st.certify == kCertified) {  // add the scores outside the bracket
         if (st.above0.count > 0.0) {
           above.count += st.above0.count;
           above.sum += st.above0.sum * exp((a_hi - st.above0.ref) / t);
         }
         if (st.below0.sum > 0.0) below.sum += st.below0.sum * exp((st.below0.ref - a_lo) / t);
       }
-      if (st.certify) {
+      if (st.certify != kCertified) {
         st.above0 = above;
         st.below0 = below;
       }
@@ -505,59 +611,77 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
       const Atom none{0, 0, 0, 0, 0};
       const Atom above_atom = above.count > 0.0 ? Atom{above.ref, above.ref, above.count, above.sum, 0.0} : none;
       const Atom below_atom = below.sum > 0.0 ? Atom{below.ref, below.ref, 1.0, 0.0, below.sum} : none;
-      const int base = kScanBins * static_cast<int>(threadIdx.x);
-      // Suffixes: bins in ascending order after the lower tail; each thread folds its own
-      // bins, one block scan places the threads, a second walk writes every bin's suffix.
-      Atom run = none;
-      for (int q = 0; q < kScanBins; ++q) run = merge(run, bin_atom<KT>(h[base + q], lo, hi, shift, base + q));
-      AtomScan(tmp.scan).ExclusiveScan(run, run, below_atom, merge);
-      for (int q = 0; q < kScanBins; ++q) {
-        const int bin = base + q;
-        suf_hi[bin] = run.count > 0.0 ? run.hi : -INFINITY;
-        suf_L[bin] = run.count > 0.0 ? run.L : 0.0;
-        run = merge(run, bin_atom<KT>(h[bin], lo, hi, shift, bin));
-      }
-      if (threadIdx.x == blockDim.x - 1) s_suffix_all = run;
-      __syncthreads();
-      // Prefixes: bins in descending order after the upper tail. Psi at each bin's upper
-      // and lower edge; the root is in the gap above the first (highest) bin whose upper
-      // edge has Psi >= k, or strictly inside a bin.
-      run = none;
-      for (int q = 0; q < kScanBins; ++q) {
-        const int bin = kBins - 1 - (base + q);
-        run = merge(run, bin_atom<KT>(h[bin], lo, hi, shift, bin));
-      }
-      AtomScan(tmp.scan).ExclusiveScan(run, run, above_atom, merge);
+      // Thread j owns bins [kScanBins j, kScanBins (j + 1)) as one group atom; two block scans
+      // give each group the atoms below it (after the lower tail) and above it (after the
+      // upper tail). Psi decreases: the highest group whose lowest edge has Psi >= k holds
+      // the root (inside one of its bins, or in the gap above one) and only its owner walks
+      // its bins, so that most threads fold their bins once (exponentials are the cost).
+      const int j = static_cast<int>(threadIdx.x), base = kScanBins * j;
+      Atom group = none;
+      for (int q = 0; q < kScanBins; ++q) group = merge(group, bin_atom<KT>(h[base + q], lo, hi, shift, base + q));
+      s_group[j] = group;
+      Atom below_g, above_r;
+      AtomScan(tmp.scan).ExclusiveScan(group, below_g, below_atom, merge);
+      __syncthreads();  // s_group; tmp.scan reused
+      AtomScan(tmp.scan).ExclusiveScan(s_group[kScanThreads - 1 - j], above_r, above_atom, merge);
+      s_above[kScanThreads - 1 - j] = above_r;  // the upper tail and the groups above that one
+      if (j == kScanThreads - 1) s_suffix_all = merge(below_g, group);
+      __syncthreads();  // s_above; tmp.scan -> tmp.min
+      const Atom above_g = s_above[j];
+      if (j == 0) s_prefix_all = merge(above_g, group);
       const double k = st.k;
-      int first = kBins, inside = kBins;
-      double gap_lo[kScanBins], gap_hi[kScanBins];
-      for (int q = 0; q < kScanBins; ++q) {
-        const int index = base + q, bin = kBins - 1 - index;  // index: descending order
-        const Atom a = bin_atom<KT>(h[bin], lo, hi, shift, bin);
-        const Atom p = run;
-        run = merge(run, a);
-        gap_lo[q] = a.hi;
-        gap_hi[q] = p.count > 0.0 ? p.lo : above.ref;
-        if (a.count == 0.0) continue;
-        const double C = p.count, A = p.count > 0.0 ? p.U : 0.0, top = p.count > 0.0 ? p.lo : INFINITY;
-        const double sL = suf_L[bin], sH = suf_hi[bin];
-        const double L_incl = a.L + (sL > 0.0 ? sL * exp((sH - a.hi) / t) : 0.0);
-        const double psi_hi = psi_at_lo(C, A, L_incl, top, a.hi, t);
-        if (psi_hi >= k && index < first) first = index;
-        if (a.lo < a.hi && psi_hi < k && index < inside) {
-          const double U_incl = a.U + (A > 0.0 ? A * exp((a.lo - top) / t) : 0.0);
-          const double psi_lo = psi_at_hi(C + a.count, U_incl, sL, a.lo, sL > 0.0 ? sH : -INFINITY, t);
-          if (psi_lo > k) inside = index;
-        }
+      bool holds = false;  // Psi at the group's lower edge, its scores above that edge
+      if (group.count > 0.0) {
+        const Atom q = merge(above_g, group);  // q.lo is the group's lower edge
+        const bool lower = below_g.count > 0.0;
+        holds = psi_at_hi(q.count, q.U, lower ? below_g.L : 0.0, q.lo, lower ? below_g.hi : -INFINITY, t) >= k;
       }
-      if (threadIdx.x == blockDim.x - 1) s_prefix_all = run;
-      __syncthreads();  // tmp.scan -> tmp.min
-      const int first_all = MinIndex(tmp.min).Reduce(first, MinInt{});
+      const int low = MinIndex(tmp.min).Reduce(holds ? kScanThreads - 1 - j : kScanThreads, MinInt{});
+      if (j == 0) {
+        s_owner = kScanThreads - 1 - low;  // -1: the root lies below every bin
+        s_inside = kBins;
+        s_gap_lo = below.ref;
+        s_gap_hi = s_prefix_all.count > 0.0 ? s_prefix_all.lo : above.ref;
+      }
       __syncthreads();
-      const int inside_all = MinIndex(tmp.min).Reduce(inside, MinInt{});
-      if (threadIdx.x == 0) {
-        s_first = first_all;
-        s_inside = inside_all;
+      if (j == s_owner) {
+        // The walk of scan_atoms over the group's bins, descending: the first bin whose upper
+        // edge has Psi >= k has the root in the gap above it; a bin with Psi < k at its upper
+        // and > k at its lower edge holds it. Neither (Psi = k at the group's lower edge, to
+        // rounding): the gap below the group.
+        double suf_hi[kScanBins], suf_L[kScanBins];  // the atoms below each bin, lower tail included
+        Atom run = below_g;
+        for (int q = 0; q < kScanBins; ++q) {
+          suf_hi[q] = run.count > 0.0 ? run.hi : -INFINITY;
+          suf_L[q] = run.count > 0.0 ? run.L : 0.0;
+          run = merge(run, bin_atom<KT>(h[base + q], lo, hi, shift, base + q));
+        }
+        double gap_lo = below_g.count > 0.0 ? below_g.hi : below.ref, gap_hi = group.lo;
+        run = above_g;
+        for (int q = kScanBins - 1; q >= 0; --q) {
+          const int bin = base + q;
+          const Atom a = bin_atom<KT>(h[bin], lo, hi, shift, bin);
+          const Atom p = run;
+          run = merge(run, a);
+          if (a.count == 0.0) continue;
+          const double C = p.count, A = p.count > 0.0 ? p.U : 0.0, top = p.count > 0.0 ? p.lo : INFINITY;
+          const double sL = suf_L[q], sH = suf_hi[q];
+          const double L_incl = a.L + (sL > 0.0 ? sL * exp((sH - a.hi) / t) : 0.0);
+          if (psi_at_lo(C, A, L_incl, top, a.hi, t) >= k) {
+            gap_lo = a.hi;
+            gap_hi = p.count > 0.0 ? p.lo : above.ref;
+            break;
+          }
+          if (a.lo < a.hi) {
+            const double U_incl = a.U + (A > 0.0 ? A * exp((a.lo - top) / t) : 0.0);
+            if (psi_at_hi(C + a.count, U_incl, sL, a.lo, sL > 0.0 ? sH : -INFINITY, t) > k) {
+              s_inside = bin;
+              break;
+            }
+          }
+        }
+        s_gap_lo = gap_lo;
+        s_gap_hi = gap_hi;
       }
       __syncthreads();
       const Atom pa = s_prefix_all, sa = s_suffix_all;
@@ -565,29 +689,18 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
                                        sa.count > 0.0 ? sa.hi : -INFINITY, t);
       const double psi_bottom = psi_at_lo(pa.count, pa.count > 0.0 ? pa.U : 0.0, below.sum,
                                           pa.count > 0.0 ? pa.lo : INFINITY, below.ref, t);
-      if (st.certify && st.status == kRefineMiddle && !(psi_top <= k && psi_bottom >= k)) {
+      if (st.certify != kCertified && st.status == kRefineMiddle && !(psi_top <= k && psi_bottom >= k)) {
         st = fallback_state(st, KT::min_key(), KT::max_key());  // the sample missed: exact fallback
       } else if (s_inside < kBins) {
-        const BinKeys refine = bin_keys(lo, hi, shift, kBins - 1 - s_inside);
+        const BinKeys refine = bin_keys(lo, hi, shift, s_inside);
         st.lo_key = refine.first;
         st.hi_key = refine.last;
       } else {
-        // The gap above bin `first` (or below every bin): owners publish its ends.
-        if (s_first == kBins && threadIdx.x == 0) {
-          s_gap_lo = below.ref;
-          s_gap_hi = pa.count > 0.0 ? pa.lo : above.ref;
-        }
-        for (int q = 0; q < kScanBins; ++q)
-          if (base + q == s_first) {
-            s_gap_lo = gap_lo[q];
-            s_gap_hi = gap_hi[q];
-          }
-        __syncthreads();
         st.gap_lo = s_gap_lo;
         st.gap_hi = s_gap_hi;
         st.status = st.status == kRefineMiddle ? kSolveMiddle : kSolveRow;
       }
-      st.certify = 0;
+      st.certify = kCertified;
     }
     __syncthreads();
     for (int j = threadIdx.x; j < kBins; j += blockDim.x) h[j] = BinSums{0, 0.0, 0.0};
@@ -712,6 +825,9 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     using Key = typename KeyTraits<scalar_t>::Key;
     const int64_t sample_cap = sort ? 0 : sample_geometry(n, 0).count;  // offset 0: the largest sample
     at::Tensor sample_keys = bytes(rows * sample_cap * int64_t(sizeof(Key)) + 1);
+    at::Tensor sample_hist = at::zeros({sort ? 1 : rows * kBins}, x.options().dtype(at::kInt));
+    auto* keys = reinterpret_cast<Key*>(sample_keys.mutable_data_ptr());
+    auto* sh = reinterpret_cast<unsigned*>(sample_hist.mutable_data_ptr());
     auto* st = reinterpret_cast<RowState*>(state.mutable_data_ptr());
     auto* hs = reinterpret_cast<BinSums*>(hist.mutable_data_ptr());
     auto* lp = reinterpret_cast<LevelPartial*>(partial.mutable_data_ptr());
@@ -721,12 +837,20 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const unsigned row_blocks = static_cast<unsigned>(rows < 65535 ? rows : 65535);
     const dim3 grid(static_cast<unsigned>(chunks), row_blocks);
+    if (!sort) {
+      const int64_t per_sample_block = int64_t(kSampleThreads) * 4;
+      const int64_t sample_blocks =
+          std::min<int64_t>(kMaxSampleBlocks, (sample_cap + per_sample_block - 1) / per_sample_block);
+      sample_kernel<scalar_t><<<dim3(static_cast<unsigned>(sample_blocks), row_blocks), kSampleThreads, 0, stream>>>(
+          xp, t.const_data_ptr<double>(), keys, sample_cap, sh, rows, n, sign);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
     propose_kernel<scalar_t><<<row_blocks, kProposeThreads, 0, stream>>>(
-        xp, k.const_data_ptr<double>(), t.const_data_ptr<double>(), st,
-        reinterpret_cast<Key*>(sample_keys.mutable_data_ptr()), sample_cap, rows, n, sign, sort);
+        k.const_data_ptr<double>(), t.const_data_ptr<double>(), st, keys, sample_cap, sh, rows, n, sort);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    // The first level certifies; a row sent to the fallback then needs a level per digit.
-    const int levels = 1 + digits_for(KeyTraits<scalar_t>::kBits);
+    // The first level certifies (a bracketed row: two levels, gather then bin); a row sent to
+    // the fallback then needs a level per digit.
+    const int levels = 2 + digits_for(KeyTraits<scalar_t>::kBits);
     for (int level = 0; level < levels; ++level) {
       level_kernel<scalar_t><<<grid, kLevelThreads, 0, stream>>>(xp, st, mp, cp, cap, hs, lp, rows, n, sign);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
