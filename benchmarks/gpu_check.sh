@@ -43,7 +43,7 @@ for step in $STEPS; do
     profile) run profile 120 $PY benchmarks/profile_soft_topk.py --sizes 1e6 1e8 ;;
     ncu)  # per-kernel hardware counters of one forward+backward at each size (if ncu exists)
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
-      [ -n "$NCU" ] && run ncu 300 "$NCU" -k "${NCU_KERNELS:-regex:^(propose|level|scan|sides|solve|lapsum_mask|vjp_reduce|vjp_apply|short_rows)_kernel}" --section SpeedOfLight \
+      [ -n "$NCU" ] && run ncu 300 "$NCU" -k "${NCU_KERNELS:-regex:^(sample|propose|level|scan|sides|solve|lapsum_mask|vjp_reduce|vjp_apply|short_rows)_kernel}" --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats --metrics "$NCU_METRICS" \
         $PY benchmarks/profile_soft_topk.py --sizes ${NCU_SIZES:-1e6 1e8} --warmup 0 --calls 1 --bare \
         || echo "ncu: not found or failed" ;;

@@ -42,8 +42,10 @@ constexpr int vec_width() {
 template <typename scalar_t>
 using compute_t = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
 
-// e^{d/t} for d <= 0 in the compute type: exp2 of a prescaled argument in fp32 (one MUFU
-// op, ~2 ulp; the scale's rounding moves u by 6e-8 relative), exp in fp64.
+// e^{-x/t} for a distance x >= 0 in the compute type. fp32: one MUFU op (ex2.approx.ftz,
+// the ~2 ulp of exp2f) of a prescaled argument (its rounding moves x by 6e-8 relative);
+// terms below 2^-126 flush to 0 (exp2f's subnormals carry few bits anyway, and an offset
+// in the argument would cost it precision). fp64: exp. Either gives 0 for x = +inf.
 template <typename F>
 struct ScaledExp;
 template <>
@@ -53,14 +55,24 @@ struct ScaledExp<float> {
     const double s = inv_t * 1.4426950408889634;
     scale = s < 3.4028234663852886e38 ? static_cast<float>(s) : 3.4028234663852886e38f;
   }
-  __device__ float operator()(float d) const { return exp2f(d * scale); }
+  __device__ float operator()(float x) const {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(-x * scale));
+    return y;
+  }
 };
 template <>
 struct ScaledExp<double> {
   double inv_t;
   __device__ explicit ScaledExp(double inv) : inv_t(inv) {}
-  __device__ double operator()(double d) const { return exp(d * inv_t); }
+  __device__ double operator()(double x) const { return exp(-x * inv_t); }
 };
+
+// 1 where x > 0, else 0 (NaN: 0). fp32: a saturating multiply in the FMA pipe (x at least
+// the smallest subnormal times 2^252 saturates to 1), not a compare and a select, which run
+// at half rate on sm_90.
+__device__ __forceinline__ float positive_indicator(float x) { return __saturatef(x * 0x1p126f * 0x1p126f); }
+__device__ __forceinline__ double positive_indicator(double x) { return x > 0.0 ? 1.0 : 0.0; }
 
 // One 16-byte vector of a row kept raw (4 registers) until its elements are used, so a
 // thread can hold several loads in flight without the registers of their converted values.

@@ -125,6 +125,30 @@ struct AtomMerge {
 };
 
 
+// Block-wide reduction in a fixed order with a short chain of dependent merges: a shuffle
+// tree in each warp, then one over the warps' results (cub::BlockReduce merges those one
+// after another: 15 in a row at 512 threads, each several fp64 exponentials for atoms).
+// The result is valid in thread 0; scratch holds a value per warp.
+template <int kThreads, typename T, typename Op>
+__device__ T tree_reduce(T v, Op op, T* scratch) {
+  constexpr int kWarps = kThreads / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int d = 16; d > 0; d /= 2) {
+    const T other = cub::ShuffleDown<32>(v, d, 31, 0xffffffffu);
+    if (lane + d < 32) v = op(v, other);
+  }
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = scratch[lane < kWarps ? lane : 0];
+    for (int d = kWarps / 2; d > 0; d /= 2) {
+      const T other = cub::ShuffleDown<32>(v, d, 31, 0xffffffffu);
+      if (lane + d < kWarps) v = op(v, other);
+    }
+  }
+  return v;
+}
+
 // Scores per tile of the level pass over a row (one block scan per tile when gathering).
 template <typename scalar_t>
 __host__ __device__ constexpr int64_t level_tile() {
@@ -239,7 +263,7 @@ propose_kernel(const double* __restrict__ k_in, const double* __restrict__ t_in,
         s_rank[1] = iu;
         s_prefix[0] = s_prefix[1] = 0;
       }
-      const Key* keys = sample_keys + r * sample_cap;
+      const Key* keys = sample_keys + r * sample_cap;  // 16-byte aligned (sample_cap: whole vectors)
       int done = 0;
       for (int level = 0; level < digits_for(KT::kBits); ++level) {
         const int bits = KT::kBits - done < kDigitBits ? KT::kBits - done : kDigitBits;
@@ -252,22 +276,31 @@ propose_kernel(const double* __restrict__ k_in, const double* __restrict__ t_in,
           __syncthreads();
           const uint64_t p0 = s_prefix[0], p1 = s_prefix[1];
           const bool want0 = s_rank[0] >= 0 && s_rank[0] < g.count, want1 = s_rank[1] >= 0 && s_rank[1] < g.count;
-          constexpr int kBatch = 8;  // coalesced key loads in flight per thread
-          for (int64_t base = threadIdx.x; base < g.count; base += int64_t(kBatch) * blockDim.x) {
-            Key kq[kBatch];
+          // The kept keys, 16 bytes per load, kBatch loads in flight per thread.
+          constexpr int kPer = 16 / sizeof(Key), kBatch = 4;
+          const int64_t vecs = (g.count + kPer - 1) / kPer;
+          for (int64_t base = threadIdx.x; base < vecs; base += int64_t(kBatch) * blockDim.x) {
+            uint4 raw[kBatch];
 #pragma unroll
-            for (int q = 0; q < kBatch; ++q) {
-              const int64_t i = base + int64_t(q) * blockDim.x;
-              kq[q] = i < g.count ? keys[i] : Key(0);
+            for (int b = 0; b < kBatch; ++b) {
+              const int64_t v = base + int64_t(b) * blockDim.x;
+              if (v < vecs) raw[b] = reinterpret_cast<const uint4*>(keys)[v];
             }
 #pragma unroll
-            for (int q = 0; q < kBatch; ++q) {
-              if (base + int64_t(q) * blockDim.x >= g.count) continue;
-              const uint64_t key = kq[q];
-              const int digit = static_cast<int>((key >> shift) & ((uint64_t(1) << bits) - 1));
-              const uint64_t top = key >> (KT::kBits - done);
-              if (want0 && top == p0) atomicAdd(&hist[0][digit], 1u);
-              if (want1 && top == p1) atomicAdd(&hist[1][digit], 1u);
+            for (int b = 0; b < kBatch; ++b) {
+              const int64_t v = base + int64_t(b) * blockDim.x;
+              if (v >= vecs) continue;
+              Key kq[kPer];
+              memcpy(kq, &raw[b], 16);
+#pragma unroll
+              for (int e = 0; e < kPer; ++e) {
+                if (v * kPer + e >= g.count) continue;
+                const uint64_t key = kq[e];
+                const int digit = static_cast<int>((key >> shift) & ((uint64_t(1) << bits) - 1));
+                const uint64_t top = key >> (KT::kBits - done);
+                if (want0 && top == p0) atomicAdd(&hist[0][digit], 1u);
+                if (want1 && top == p1) atomicAdd(&hist[1][digit], 1u);
+              }
             }
           }
           __syncthreads();
@@ -286,6 +319,8 @@ propose_kernel(const double* __restrict__ k_in, const double* __restrict__ t_in,
         }
         done += bits;
       }
+      // Keys, not buckets: a bucket of the last digit but one would be 2^-13 of the value
+      // wide, far wider than the bracket when |score| >> t.
       const uint64_t lo = il >= 0 && il < g.count ? s_prefix[0] : 0;
       const uint64_t hi = iu >= 0 && iu < g.count ? s_prefix[1] : ~uint64_t(0);
       const uint64_t kmin = KT::min_key(), kmax = KT::max_key();
@@ -395,7 +430,7 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
       int64_t used = 0;  // gathered so far by the block (the same in every thread)
       unsigned above_n = 0, pinf_n = 0, ninf_n = 0, nan_n = 0;
       static_assert(U * V <= 32, "one bit per score of a thread's tile");
-      const scalar_t past_end = std::numeric_limits<scalar_t>::quiet_NaN();
+      const scalar_t past_end = static_cast<scalar_t>(sign > 0.0 ? -INFINITY : INFINITY);  // -inf, signed
       const auto load_tile = [&](RawVec<scalar_t>(&vec)[U], int64_t tl) {
 #pragma unroll
         for (int u = 0; u < U; ++u)
@@ -403,42 +438,51 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
                                       past_end);
       };
       // One tile: the tails, and a bit per score inside the range (a gathering pass gathers
-      // those, a binning pass bins them with consider()). The tails count +inf as above; a
-      // tile with a non-finite score, or a lane past the row's end (loaded as NaN), is looked
-      // at again to count those exactly. Non-finite scores are never gathered.
+      // those, a binning pass bins them with consider()). The loop keeps to the FMA pipe
+      // (compares, selects and bit logic run at half rate on sm_90): sides are 0/1 factors,
+      // counts and bits are float sums. Scores past the row's end are loaded as -inf (they
+      // add nothing). A non-finite score poisons a sum (s * 0), and such a tile is looked at
+      // again to count its non-finite scores exactly and keep them out of the gather (a NaN
+      // makes the tails NaN too; its row is settled as a NaN row at certification).
       const auto classify = [&](const RawVec<scalar_t>(&vec)[U], int64_t tl, auto gather_tag) -> unsigned {
         constexpr bool kGather = decltype(gather_tag)::value;
         constexpr F kMax = std::numeric_limits<F>::max(), kInf = std::numeric_limits<F>::infinity();
         const auto index = [&](int u, int q) { return tl * tile + (int64_t(u) * kLevelThreads + threadIdx.x) * V + q; };
-        unsigned in_bits = 0;
-        bool odd = false;
-        F above_part = 0, below_part = 0;
+        F above_part = 0, below_part = 0, above_cnt = 0, poison = 0, low_bits = 0, high_bits = 0;
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
           for (int q = 0; q < V; ++q) {
-            // Branch-free but for a binning pass's rare consider(): e^{-distance/t} (0 for
-            // +-inf) is computed for every score and kept for the tails only.
+            const int bit = u * V + q;
             const F s = vec[u][q] * sign_c;
-            const bool above = s > hi_c, below = s < lo_c, finite = fabs(s) <= kMax;
-            const F e = tail_exp(above ? hi_c - s : s - lo_c);
-            above_part += above ? e : F(0);
-            below_part += below ? e : F(0);
-            above_n += above;
-            odd |= !finite;
-            const bool inside = !above && !below;
-            if (kGather) in_bits |= static_cast<unsigned>(inside && finite) << (u * V + q);
-            else if (inside && index(u, q) < n) consider(static_cast<double>(s));
+            const F above_by = s - hi_c, below_by = lo_c - s;  // > 0: outside, on that side
+            const F out = fmax(above_by, below_by);            // <= 0: inside the range
+            const F e = tail_exp(fabs(out));                   // e^{-|out|/t}: 0 for +-inf
+            const F is_above = positive_indicator(above_by), is_below = positive_indicator(below_by);
+            above_part = fma(is_above, e, above_part);
+            below_part = fma(is_below, e, below_part);
+            above_cnt += is_above;
+            poison = fma(s, F(0), poison);  // NaN once a score is +-inf or NaN
+            if (kGather) {  // exact: at most 16 distinct powers of two per sum
+              F& bits = bit < 16 ? low_bits : high_bits;
+              bits = fma(F(1) - is_above - is_below, F(1 << (bit % 16)), bits);
+            } else if (!(out > F(0)) && index(u, q) < n) {
+              consider(static_cast<double>(s));
+            }
           }
         acc.above_sum += static_cast<double>(above_part);
         acc.below_sum += static_cast<double>(below_part);
-        if (odd) {
+        above_n += static_cast<unsigned>(above_cnt);
+        unsigned in_bits = static_cast<unsigned>(low_bits) | (static_cast<unsigned>(high_bits) << 16);
+        if (poison != F(0)) {
 #pragma unroll
           for (int u = 0; u < U; ++u)
 #pragma unroll
             for (int q = 0; q < V; ++q) {
               const F s = vec[u][q] * sign_c;
-              if (fabs(s) <= kMax || index(u, q) >= n) continue;
+              if (fabs(s) <= kMax) continue;
+              in_bits &= ~(1u << (u * V + q));
+              if (index(u, q) >= n) continue;
               if (s > hi_c) {  // +inf
                 --above_n;
                 ++pinf_n;
@@ -719,8 +763,7 @@ sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
              const unsigned* __restrict__ slice_count, int64_t cap, int chunks, GapSides* __restrict__ partial,
              int64_t rows, int64_t n, double sign) {
   constexpr int V = vec_width<scalar_t>();
-  using Reduce = cub::BlockReduce<GapSides, kLevelThreads>;
-  __shared__ typename Reduce::TempStorage tmp;
+  __shared__ GapSides scratch[kLevelThreads / 32];
   const Atom none{0, 0, 0, 0, 0};
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const RowState st = state[r];
@@ -749,7 +792,7 @@ sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
         for (unsigned j = threadIdx.x; j < count; j += blockDim.x) add(slice[j]);
       }
     }
-    const GapSides total = Reduce(tmp).Reduce(acc, GapMerge{inv_t});
+    const GapSides total = tree_reduce<kLevelThreads>(acc, GapMerge{inv_t}, scratch);
     if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x] = total;
     __syncthreads();
   }
@@ -759,8 +802,7 @@ __global__ void __launch_bounds__(kSolveThreads)
 solve_kernel(RowState* __restrict__ state, const GapSides* __restrict__ partial, int parts,
              double* __restrict__ b_out, double* __restrict__ edge_out, int64_t* __restrict__ diag, int64_t rows,
              double sign) {
-  using Reduce = cub::BlockReduce<GapSides, kSolveThreads>;
-  __shared__ typename Reduce::TempStorage tmp;
+  __shared__ GapSides scratch[kSolveThreads / 32];
   const Atom none{0, 0, 0, 0, 0};
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     RowState st = state[r];
@@ -769,7 +811,7 @@ solve_kernel(RowState* __restrict__ state, const GapSides* __restrict__ partial,
     const GapMerge merge{inv_t};
     GapSides acc{none, none};
     for (int c = threadIdx.x; c < parts; c += blockDim.x) acc = merge(acc, partial[r * parts + c]);
-    GapSides g = Reduce(tmp).Reduce(acc, merge);
+    GapSides g = tree_reduce<kSolveThreads>(acc, merge, scratch);
     if (threadIdx.x == 0) {
       if (st.status == kSolveMiddle) {  // the scores outside the bracket
         if (st.above0.count > 0.0)
@@ -823,7 +865,8 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     at::Tensor counts = bytes(rows * chunks * int64_t(sizeof(unsigned)) + 1);
     at::Tensor middle = at::empty({sort ? 1 : rows * chunks * cap}, x.options().dtype(at::kDouble));
     using Key = typename KeyTraits<scalar_t>::Key;
-    const int64_t sample_cap = sort ? 0 : sample_geometry(n, 0).count;  // offset 0: the largest sample
+    // offset 0: the largest sample; whole 16-byte vectors per row
+    const int64_t sample_cap = sort ? 0 : (sample_geometry(n, 0).count + 3) / 4 * 4;
     at::Tensor sample_keys = bytes(rows * sample_cap * int64_t(sizeof(Key)) + 1);
     at::Tensor sample_hist = at::zeros({sort ? 1 : rows * kBins}, x.options().dtype(at::kInt));
     auto* keys = reinterpret_cast<Key*>(sample_keys.mutable_data_ptr());

@@ -301,44 +301,76 @@ __device__ __forceinline__ void emit(const Params& P, int64_t r, uint64_t pos, u
   if (P.out_comp != nullptr) P.out_comp[r * P.K + pos] = comp_signed(c);
 }
 
+// The fp32 score of a threshold key, so that key(v) >= key becomes v >= it (and key(v) <=
+// key, v <= it), at worst for a superset: the key below +0's decodes to -0, and keys that
+// decode to NaN (beyond +inf's or -inf's) bound at that infinity.
+__device__ __forceinline__ float key_bound(uint32_t key) {
+  const float f = key_to_float(key);
+  return f == f ? f : (key >= 0x80000000u ? INFINITY : -INFINITY);
+}
+
+// Vector v (V = 16/sizeof(T) scores) of a row of length L, raw: one 16-byte load when
+// whole and aligned, else scalar loads (lanes past L read as 0; callers skip them).
+template <typename T>
+__device__ __forceinline__ int4 load_raw_vec(const T* __restrict__ xr, int64_t v, int64_t L, bool aligned) {
+  constexpr int V = 16 / sizeof(T);
+  if (aligned && (v + 1) * V <= L) return __ldg(reinterpret_cast<const int4*>(xr) + v);
+  T t[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) t[e] = v * V + e < L ? xr[v * V + e] : T(0.0f);
+  int4 q;
+  memcpy(&q, t, 16);
+  return q;
+}
+
 // Deterministic block-wide compaction over a row: tiles in row order, and inside a tile
 // each thread's items at offsets from one block scan (no atomics: the order of the
-// compacted items is a fixed function of the input). pred(key, i) selects; sink(pos,
-// key, i) receives the selected items at consecutive positions. Returns the count.
-// This is the row kernel's one full pass, so it is lean: a whole tile is loaded without
-// bounds checks, each score is keyed and tested once (a bit per score), indices are
-// 32-bit (rows are < 2^32 scores), and only threads with a hit revisit their scores.
+// compacted items is a fixed function of the input). pred(score, i) selects (on the fp32
+// score: a key per score would cost the pass its ALU-pipe budget); sink(pos, key, i)
+// receives the selected items at consecutive positions. Returns the count.
+// This is the row kernel's one full pass, so it is lean: each score is keyed and tested
+// once (a bit per score), indices are 32-bit (rows are < 2^32 scores), only threads with
+// a hit revisit their scores, and the next tile's loads are issued before a tile is
+// tested, so that they are in flight across its scan's barriers (a CTA's loads would
+// otherwise come in bursts, one tile at a time).
 template <typename T, typename Pred, typename Sink>
 __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, bool aligned, uint32_t flip,
                                         typename BlockScan::TempStorage& scan, Pred&& pred, Sink&& sink) {
   constexpr int V = 16 / sizeof(T), U = row_unroll<T>();
   static_assert(U * V <= 32, "one bit per score of a thread's tile");
-  const int64_t nv = (L + V - 1) / V;
-  uint32_t base = 0;
-  for (int64_t v0 = 0; v0 < nv; v0 += int64_t(kBlock) * U) {
-    float vals[U][V];
-    const uint32_t i0 = static_cast<uint32_t>((v0 + threadIdx.x) * V);  // vals[u][e] is score i0 + u*kBlock*V + e
-    uint32_t bits = 0;
-    if (aligned && (v0 + int64_t(kBlock) * U) * V <= L) {  // whole tile (uniform in the block)
+  const int64_t nv = (L + V - 1) / V, step = int64_t(kBlock) * U;
+  const auto load_tile = [&](int4(&raw)[U], int64_t v0) {
 #pragma unroll
-      for (int u = 0; u < U; ++u) load_vec<T>(xr, v0 + u * kBlock + threadIdx.x, L, true, vals[u]);
+    for (int u = 0; u < U; ++u) {
+      const int64_t v = v0 + u * kBlock + threadIdx.x;
+      if (v < nv) raw[u] = load_raw_vec<T>(xr, v, L, aligned);
+    }
+  };
+  const auto score = [&](const int4(&raw)[U], int u, int e) {
+    T t[V];
+    memcpy(t, &raw[u], 16);
+    return to_float(t[e]);
+  };
+  uint32_t base = 0;
+  int4 cur[U], next[U];
+  load_tile(cur, 0);
+  for (int64_t v0 = 0; v0 < nv; v0 += step) {
+    if (v0 + step < nv) load_tile(next, v0 + step);
+    const uint32_t i0 = static_cast<uint32_t>((v0 + threadIdx.x) * V);  // score (u, e) is i0 + u*kBlock*V + e
+    uint32_t bits = 0;
+    if ((v0 + step) * V <= L) {  // whole tile (uniform in the block)
 #pragma unroll
       for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int e = 0; e < V; ++e)
-          bits |= static_cast<uint32_t>(pred(float_key(vals[u][e]) ^ flip, i0 + u * kBlock * V + e)) << (u * V + e);
+          bits |= static_cast<uint32_t>(pred(score(cur, u, e), i0 + u * kBlock * V + e)) << (u * V + e);
     } else {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t v = v0 + u * kBlock + threadIdx.x;
-        if (v < nv) load_vec<T>(xr, v, L, aligned, vals[u]);
-      }
 #pragma unroll
       for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int e = 0; e < V; ++e) {
           const int64_t i = (v0 + u * kBlock + threadIdx.x) * V + e;
-          if (i < L && pred(float_key(vals[u][e]) ^ flip, static_cast<uint32_t>(i))) bits |= 1u << (u * V + e);
+          if (i < L && pred(score(cur, u, e), static_cast<uint32_t>(i))) bits |= 1u << (u * V + e);
         }
     }
     uint32_t pos, agg;
@@ -349,10 +381,12 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
       for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int e = 0; e < V; ++e)
-          if ((bits >> (u * V + e)) & 1u) sink(pos++, float_key(vals[u][e]) ^ flip, i0 + u * kBlock * V + e);
+          if ((bits >> (u * V + e)) & 1u) sink(pos++, float_key(score(cur, u, e)) ^ flip, i0 + u * kBlock * V + e);
     }
     base += agg;
     __syncthreads();  // scan storage reuse
+#pragma unroll
+    for (int u = 0; u < U; ++u) cur[u] = next[u];
   }
   return base;
 }
@@ -450,15 +484,24 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
   if (try_cand) {
     for (int i = tid; i < kBins; i += kBlock) hist[i] = 0;
     __syncthreads();
-    C = ordered_row_compact<T>(
-        xr, L, aligned, flip, sh.scan, [&](uint32_t key, uint32_t) { return key >= thr; },
-        [&](uint32_t pos, uint32_t key, uint32_t i) {
-          if (pos < static_cast<uint32_t>(cap)) {
-            ckey[pos] = key;
-            cidx[pos] = i;
-          }
-          atomicAdd(&hist[key >> 21], 1u);
-        });
+    const auto add = [&](uint32_t pos, uint32_t key, uint32_t i) {
+      if (pos < static_cast<uint32_t>(cap)) {
+        ckey[pos] = key;
+        cidx[pos] = i;
+      }
+      atomicAdd(&hist[key >> 21], 1u);
+    };
+    // key >= thr as one fp32 compare, admitting a superset at worst (harmless: the select
+    // over the candidates is exact, and an underfill falls back): largest, score >= the
+    // bound or NaN (NaN's key is the largest); smallest (keys complemented), score <= the
+    // bound of ~thr (NaN, the worst there, left out: needed only when the row underfills).
+    if (flip == 0) {
+      const float lo = key_bound(thr);
+      C = ordered_row_compact<T>(xr, L, aligned, flip, sh.scan, [&](float v, uint32_t) { return !(v < lo); }, add);
+    } else {
+      const float hi = key_bound(~thr);
+      C = ordered_row_compact<T>(xr, L, aligned, flip, sh.scan, [&](float v, uint32_t) { return v <= hi; }, add);
+    }
     __syncthreads();
   }
   const bool ok = try_cand && C >= take && C <= static_cast<uint32_t>(cap);
@@ -483,6 +526,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
     });
   } else {
     auto is_sel = [&](uint32_t key, uint32_t i) { return selected(composite(key, i), prefix, ks); };
+    auto is_sel_score = [&](float v, uint32_t i) { return is_sel(float_key(v) ^ flip, i); };
     auto out = [&](uint32_t pos, uint32_t key, uint32_t i) { emit<T>(P, r, pos, composite(key, i)); };
     if (ok) {  // candidates in buffer order, 8 consecutive per thread, positions by block scan
       uint32_t base = 0;
@@ -505,7 +549,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
         __syncthreads();
       }
     } else {
-      ordered_row_compact<T>(xr, L, aligned, flip, sh.scan, is_sel, out);
+      ordered_row_compact<T>(xr, L, aligned, flip, sh.scan, is_sel_score, out);
     }
     pad_row<T>(P, r, take, tid, kBlock);
   }
