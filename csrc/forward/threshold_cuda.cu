@@ -55,6 +55,7 @@ constexpr int64_t kMaxSampleBlocks = 64;  // blocks per row gathering the sample
 constexpr int kSolveThreads = 256;
 constexpr int64_t kMaxChunks = 1024;  // blocks per row in the row-wide passes
 constexpr int64_t kSideBlocks = 128;  // blocks per row of the sides pass
+constexpr int kMaxSidesSlices = (kMaxChunks + kSideBlocks - 1) / kSideBlocks;  // middle slices per sides block
 constexpr unsigned kMiddleBlocks = 256;  // blocks per row of a level over the middle set
 
 enum RowStatus : int { kRefineMiddle = 0, kRefineRow = 1, kSolveMiddle = 2, kSolveRow = 3, kDone = 4 };
@@ -274,7 +275,7 @@ propose_kernel(const double* __restrict__ k_in, const double* __restrict__ t_in,
         } else {
           for (int j = threadIdx.x; j < 2 * kBins; j += blockDim.x) hist[j / kBins][j % kBins] = 0;
           __syncthreads();
-          const uint64_t p0 = s_prefix[0], p1 = s_prefix[1];
+          const Key p0 = static_cast<Key>(s_prefix[0]), p1 = static_cast<Key>(s_prefix[1]);
           const bool want0 = s_rank[0] >= 0 && s_rank[0] < g.count, want1 = s_rank[1] >= 0 && s_rank[1] < g.count;
           // The kept keys, 16 bytes per load, kBatch loads in flight per thread.
           constexpr int kPer = 16 / sizeof(Key), kBatch = 4;
@@ -295,9 +296,9 @@ propose_kernel(const double* __restrict__ k_in, const double* __restrict__ t_in,
 #pragma unroll
               for (int e = 0; e < kPer; ++e) {
                 if (v * kPer + e >= g.count) continue;
-                const uint64_t key = kq[e];
-                const int digit = static_cast<int>((key >> shift) & ((uint64_t(1) << bits) - 1));
-                const uint64_t top = key >> (KT::kBits - done);
+                const Key key = kq[e];  // in the key's width: 64-bit shifts cost fp32 rows twice
+                const int digit = static_cast<int>((key >> shift) & ((Key(1) << bits) - 1));
+                const Key top = key >> (KT::kBits - done);  // done >= kDigitBits here
                 if (want0 && top == p0) atomicAdd(&hist[0][digit], 1u);
                 if (want1 && top == p1) atomicAdd(&hist[1][digit], 1u);
               }
@@ -346,9 +347,9 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
   constexpr int V = vec_width<scalar_t>();
   constexpr int U = kLevelUnroll;
   using Reduce = cub::BlockReduce<LevelPartial, kLevelThreads>;
-  using TileScan = cub::BlockScan<int, kLevelThreads>;
+  using TileScan = cub::BlockScan<int, kLevelThreads, cub::BLOCK_SCAN_WARP_SCANS>;  // one barrier per scan
   __shared__ typename Reduce::TempStorage red;
-  __shared__ typename TileScan::TempStorage tscan;
+  __shared__ typename TileScan::TempStorage tscan[2];  // tiles alternate (see run_tiles)
   __shared__ unsigned s_count[kBins];
   __shared__ double s_U[kBins], s_L[kBins];
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
@@ -501,15 +502,20 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
       const auto run_tiles = [&](auto gather_tag) {
         constexpr bool kGather = decltype(gather_tag)::value;
         RawVec<scalar_t> vec[U];
+        int par = 0;  // the scan storage of this tile
         if (kGather && blockIdx.x < tiles) load_tile(vec, blockIdx.x);
         for (int64_t tl = blockIdx.x; tl < tiles; tl += gridDim.x) {
           RawVec<scalar_t> next[U];  // a gathering pass prefetches (a binning one has no registers to spare)
           if (!kGather) load_tile(vec, tl);
           else if (tl + gridDim.x < tiles) load_tile(next, tl + gridDim.x);
           const unsigned in_bits = classify(vec, tl, gather_tag);
-          if (kGather) {  // one block scan per tile keeps the buffer's order deterministic
+          if (kGather) {
+            // One block scan per tile keeps the buffer's order deterministic. Its barrier is
+            // the tile's only one: a storage is written again only after the barrier of the
+            // scan in between, which every thread reaches after reading its offset.
             int offset, total;
-            TileScan(tscan).ExclusiveSum(__popc(in_bits), offset, total);
+            TileScan(tscan[par]).ExclusiveSum(__popc(in_bits), offset, total);
+            par ^= 1;
             // The rare gathered scores are read again (cache hits), so that the tile's
             // registers are free across the scan for the next tile's loads.
             for (unsigned bits = in_bits; bits != 0; bits &= bits - 1, ++offset) {
@@ -518,7 +524,6 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
                 slice[used + offset] = sign * static_cast<double>(xr[tl * tile + (int64_t(u) * kLevelThreads + threadIdx.x) * V + q]);
             }
             used += total;
-            __syncthreads();
           }
           if (kGather)
 #pragma unroll
@@ -527,6 +532,7 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
       };
       if (gather) run_tiles(std::true_type{});
       else run_tiles(std::false_type{});
+      __syncthreads();  // tscan is free again
       acc.above_count += static_cast<double>(above_n);
       acc.pinf += pinf_n;
       acc.ninf += ninf_n;
@@ -764,6 +770,7 @@ sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
              int64_t rows, int64_t n, double sign) {
   constexpr int V = vec_width<scalar_t>();
   __shared__ GapSides scratch[kLevelThreads / 32];
+  __shared__ unsigned s_count[kMaxSidesSlices];
   const Atom none{0, 0, 0, 0, 0};
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const RowState st = state[r];
@@ -785,11 +792,27 @@ sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
         for (int q = 0; q < valid; ++q) add(sign * v[q]);
       }
     } else {
-      for (int c = blockIdx.x; c < chunks; c += gridDim.x) {
-        const int64_t slice_id = r * chunks + c;
-        const unsigned count = slice_count[slice_id];
-        const double* slice = middle + slice_id * cap;
-        for (unsigned j = threadIdx.x; j < count; j += blockDim.x) add(slice[j]);
+      // The block's slices as one flat range (their counts first), several loads in
+      // flight per thread: slice by slice, each small slice would cost a round trip.
+      const int slices = (chunks - static_cast<int>(blockIdx.x) + gridDim.x - 1) / gridDim.x;  // <= kMaxSidesSlices
+      if (threadIdx.x < slices) s_count[threadIdx.x] = slice_count[r * chunks + blockIdx.x + threadIdx.x * gridDim.x];
+      __syncthreads();
+      unsigned total_count = 0;
+      for (int q = 0; q < slices; ++q) total_count += s_count[q];
+      constexpr int kBatch = 4;
+      for (unsigned j0 = threadIdx.x; j0 < total_count; j0 += kBatch * blockDim.x) {
+        double v[kBatch];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          unsigned j = j0 + b * blockDim.x;
+          if (j >= total_count) continue;
+          int q = 0;
+          while (j >= s_count[q]) j -= s_count[q++];
+          v[b] = middle[(r * chunks + blockIdx.x + int64_t(q) * gridDim.x) * cap + j];
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b)
+          if (j0 + b * blockDim.x < total_count) add(v[b]);
       }
     }
     const GapSides total = tree_reduce<kLevelThreads>(acc, GapMerge{inv_t}, scratch);

@@ -91,7 +91,8 @@ constexpr int kGridMaxRows = 64;
 constexpr int64_t kGridMinN = 65536;
 constexpr int kStageItems = 8192;  // grid kernels: staged composites per CTA tile (64 KiB)
 
-using BlockScan = cub::BlockScan<uint32_t, kBlock>;
+// Warp scans: one barrier per scan (raking has two).
+using BlockScan = cub::BlockScan<uint32_t, kBlock, cub::BLOCK_SCAN_WARP_SCANS>;
 
 struct FindResult {
   uint32_t digit, above, count;
@@ -207,7 +208,7 @@ __device__ void find_bin(const uint32_t* hist, uint32_t need, typename BlockScan
 }
 
 struct RowShared {
-  typename BlockScan::TempStorage scan;
+  typename BlockScan::TempStorage scan[2];  // ordered_row_compact alternates; else [0]
   FindResult res;
 };
 
@@ -231,7 +232,7 @@ __device__ void block_select(Each&& each, uint32_t need, bool hist_ready, uint32
       });
       __syncthreads();
     }
-    find_bin(hist, need, sh.scan, sh.res);
+    find_bin(hist, need, sh.scan[0], sh.res);
     const FindResult r = sh.res;
     prefix |= static_cast<uint64_t>(r.digit) << s;
     need -= r.above;
@@ -332,10 +333,12 @@ __device__ __forceinline__ int4 load_raw_vec(const T* __restrict__ xr, int64_t v
 // once (a bit per score), indices are 32-bit (rows are < 2^32 scores), only threads with
 // a hit revisit their scores, and the next tile's loads are issued before a tile is
 // tested, so that they are in flight across its scan's barriers (a CTA's loads would
-// otherwise come in bursts, one tile at a time).
+// otherwise come in bursts, one tile at a time). One barrier per tile, the scan's: tiles
+// alternate between two scan storages, and a storage is written again only after the
+// barrier of the scan in between, which every thread reaches after reading its prefix.
 template <typename T, typename Pred, typename Sink>
 __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, bool aligned, uint32_t flip,
-                                        typename BlockScan::TempStorage& scan, Pred&& pred, Sink&& sink) {
+                                        typename BlockScan::TempStorage (&scan)[2], Pred&& pred, Sink&& sink) {
   constexpr int V = 16 / sizeof(T), U = row_unroll<T>();
   static_assert(U * V <= 32, "one bit per score of a thread's tile");
   const int64_t nv = (L + V - 1) / V, step = int64_t(kBlock) * U;
@@ -352,6 +355,7 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
     return to_float(t[e]);
   };
   uint32_t base = 0;
+  int par = 0;  // the scan storage of this tile
   int4 cur[U], next[U];
   load_tile(cur, 0);
   for (int64_t v0 = 0; v0 < nv; v0 += step) {
@@ -374,7 +378,7 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
         }
     }
     uint32_t pos, agg;
-    BlockScan(scan).ExclusiveSum(static_cast<uint32_t>(__popc(bits)), pos, agg);
+    BlockScan(scan[par]).ExclusiveSum(static_cast<uint32_t>(__popc(bits)), pos, agg);
     if (bits != 0) {
       pos += base;
 #pragma unroll
@@ -384,10 +388,11 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
           if ((bits >> (u * V + e)) & 1u) sink(pos++, float_key(score(cur, u, e)) ^ flip, i0 + u * kBlock * V + e);
     }
     base += agg;
-    __syncthreads();  // scan storage reuse
+    par ^= 1;
 #pragma unroll
     for (int u = 0; u < U; ++u) cur[u] = next[u];
   }
+  __syncthreads();  // the caller may reuse the scan storage
   return base;
 }
 
@@ -466,7 +471,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
       __syncthreads();
       samp_each([&](uint32_t key) { atomicAdd(&hist[key >> 21], 1u); });
       __syncthreads();
-      find_bin(hist, rstar, sh.scan, sh.res);
+      find_bin(hist, rstar, sh.scan[0], sh.res);
       const uint32_t d1 = sh.res.digit, rem = rstar - sh.res.above;
       __syncthreads();
       for (int i = tid; i < kBins; i += kBlock) hist[i] = 0;
@@ -475,7 +480,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
         if ((key >> 21) == d1) atomicAdd(&hist[(key >> 10) & 2047u], 1u);
       });
       __syncthreads();
-      find_bin(hist, rem, sh.scan, sh.res);
+      find_bin(hist, rem, sh.scan[0], sh.res);
       thr = (d1 << 21) | (sh.res.digit << 10);
       __syncthreads();
     }
@@ -538,7 +543,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
           if (i < C && is_sel(ckey[i], cidx[i])) ++cnt;
         }
         uint32_t pos, agg;
-        BlockScan(sh.scan).ExclusiveSum(cnt, pos, agg);
+        BlockScan(sh.scan[0]).ExclusiveSum(cnt, pos, agg);
         pos += base;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -747,21 +752,25 @@ __global__ void __launch_bounds__(kBlock) g_collect(Params P) {
   const uint32_t flip = P.flip, thr = st.thr;
   const int64_t cap = P.cap_g;
   uint64_t* cr = P.cand + r * cap;
-  // tiles of kBlock * kUnroll vectors (<= kStageItems scores), staged and flushed per tile
-  for_row<T, kUnroll>(
-      xr, st.L, aligned, blockIdx.x, P.bpr,
-      [&](float v, int64_t i) {
-        const uint32_t key = float_key(v) ^ flip;
-        if (key >= thr) {
-          buf[stage_slot(ss)] = composite(key, static_cast<uint32_t>(i));
-          atomicAdd(&hist[key >> 21], 1u);
-        }
-      },
-      [&] {
-        flush_stage(buf, ss, &st.cand_cnt, [&](unsigned long long pos, uint64_t c) {
-          if (pos < static_cast<unsigned long long>(cap)) cr[pos] = c;
-        });
-      });
+  const auto collect = [&](float v, int64_t i) {
+    const uint32_t key = float_key(v) ^ flip;
+    buf[stage_slot(ss)] = composite(key, static_cast<uint32_t>(i));
+    atomicAdd(&hist[key >> 21], 1u);
+  };
+  const auto flush = [&] {
+    flush_stage(buf, ss, &st.cand_cnt, [&](unsigned long long pos, uint64_t c) {
+      if (pos < static_cast<unsigned long long>(cap)) cr[pos] = c;
+    });
+  };
+  // tiles of kBlock * kUnroll vectors (<= kStageItems scores), staged and flushed per tile;
+  // key >= thr as one fp32 compare per score, as in the row kernel (key_bound)
+  if (flip == 0) {
+    const float lo = key_bound(thr);
+    for_row<T, kUnroll>(xr, st.L, aligned, blockIdx.x, P.bpr, [&](float v, int64_t i) { if (!(v < lo)) collect(v, i); }, flush);
+  } else {
+    const float hi = key_bound(~thr);
+    for_row<T, kUnroll>(xr, st.L, aligned, blockIdx.x, P.bpr, [&](float v, int64_t i) { if (v <= hi) collect(v, i); }, flush);
+  }
   for (int i = threadIdx.x; i < kBins; i += kBlock)
     if (hist[i]) atomicAdd(&P.ghist[r * kBins + i], hist[i]);
 }
