@@ -11,7 +11,7 @@
 //           scores inside go to up to 2048 range atoms ("bins"). A bracketed row's first
 //           level only gathers those into the row's middle buffer (one bounded slice per
 //           block, in a deterministic order); every later level of it reads only that.
-//  scan     one CTA per row: folds the tails; on the first level checks the certificate
+//  scan     one CTA per row: folds the tails; on the first binned level checks the certificate
 //           Psi(a_R) <= k <= Psi(a_L) (a failure, or a middle set too big for its slices,
 //           sends the row to the radix fallback over the whole row); then the closed-form
 //           scan over the bins, in parallel: the root lies in a gap (solve it) or strictly
