@@ -418,8 +418,8 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
     if (from_row) {
       // Classification in the compute type (fp32 for fp32/fp16/bf16 rows): the range ends
       // are key values, so exact in it, and the comparisons agree with consider()'s. Both
-      // tails take the same branch-free path (one exponential, its sum picked by a select),
-      // summed per tile in it and flushed to the fp64 sums. A gathering pass issues the next
+      // tails take the same branch-free path (one exponential, its sum picked by 0/1
+      // factors), summed per tile in it and flushed to the fp64 sums. A gathering pass issues the next
       // tile's loads before it classifies a tile, so they are in flight across its barriers.
       const F hi_c = static_cast<F>(a_hi), lo_c = static_cast<F>(a_lo), sign_c = static_cast<F>(sign);
       const ScaledExp<F> tail_exp(inv_t);

@@ -128,25 +128,35 @@ __device__ __forceinline__ T from_key(uint32_t key, uint32_t flip) {
   return static_cast<T>(key_to_float(key ^ flip));
 }
 
-// The V = 16/sizeof(T) scores of vector v of a row of length L (tail and unaligned rows
-// by scalar loads); out-of-range lanes are left unset.
+// Vector v (V = 16/sizeof(T) scores) of a row of length L, raw: one 16-byte load when
+// whole and aligned, else scalar loads (lanes past L read as 0; callers skip them).
+template <typename T>
+__device__ __forceinline__ int4 load_raw_vec(const T* __restrict__ xr, int64_t v, int64_t L, bool aligned) {
+  constexpr int V = 16 / sizeof(T);
+  if (aligned && (v + 1) * V <= L) return __ldg(reinterpret_cast<const int4*>(xr) + v);
+  T t[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) t[e] = v * V + e < L ? xr[v * V + e] : T(0.0f);
+  int4 q;
+  memcpy(&q, t, 16);
+  return q;
+}
+
+// Score e of a raw vector, as fp32.
+template <typename T>
+__device__ __forceinline__ float raw_score(const int4& q, int e) {
+  T t[16 / sizeof(T)];
+  memcpy(t, &q, 16);
+  return to_float(t[e]);
+}
+
+// The V = 16/sizeof(T) scores of vector v of a row of length L, as fp32 (lanes past L: 0).
 template <typename T>
 __device__ __forceinline__ void load_vec(const T* __restrict__ xr, int64_t v, int64_t L, bool aligned,
                                          float (&out)[16 / sizeof(T)]) {
-  constexpr int V = 16 / sizeof(T);
-  if (aligned && (v + 1) * V <= L) {
-    const int4 q = __ldg(reinterpret_cast<const int4*>(xr) + v);
-    T t[V];
-    memcpy(t, &q, 16);
+  const int4 q = load_raw_vec<T>(xr, v, L, aligned);
 #pragma unroll
-    for (int e = 0; e < V; ++e) out[e] = to_float(t[e]);
-  } else {
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const int64_t i = v * V + e;
-      out[e] = i < L ? to_float(xr[i]) : 0.0f;
-    }
-  }
+  for (int e = 0; e < 16 / static_cast<int>(sizeof(T)); ++e) out[e] = raw_score<T>(q, e);
 }
 
 struct NoTileEnd {
@@ -313,20 +323,6 @@ __device__ __forceinline__ float key_bound(uint32_t key) {
   return f == f ? f : (key >= 0x80000000u ? INFINITY : -INFINITY);
 }
 
-// Vector v (V = 16/sizeof(T) scores) of a row of length L, raw: one 16-byte load when
-// whole and aligned, else scalar loads (lanes past L read as 0; callers skip them).
-template <typename T>
-__device__ __forceinline__ int4 load_raw_vec(const T* __restrict__ xr, int64_t v, int64_t L, bool aligned) {
-  constexpr int V = 16 / sizeof(T);
-  if (aligned && (v + 1) * V <= L) return __ldg(reinterpret_cast<const int4*>(xr) + v);
-  T t[V];
-#pragma unroll
-  for (int e = 0; e < V; ++e) t[e] = v * V + e < L ? xr[v * V + e] : T(0.0f);
-  int4 q;
-  memcpy(&q, t, 16);
-  return q;
-}
-
 // Deterministic block-wide compaction over a row: tiles in row order, and inside a tile
 // each thread's items at offsets from one block scan (no atomics: the order of the
 // compacted items is a fixed function of the input). pred(score, i) selects (on the fp32
@@ -352,11 +348,7 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
       if (v < nv) raw[u] = load_raw_vec<T>(xr, v, L, aligned);
     }
   };
-  const auto score = [&](const int4(&raw)[U], int u, int e) {
-    T t[V];
-    memcpy(t, &raw[u], 16);
-    return to_float(t[e]);
-  };
+  const auto score = [&](const int4(&raw)[U], int u, int e) { return raw_score<T>(raw[u], e); };
   uint32_t base = 0;
   int par = 0;  // the scan storage of this tile
   int4 cur[U], next[U];
