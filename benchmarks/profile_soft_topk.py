@@ -17,6 +17,7 @@ import fastlapsum
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", nargs="*", type=float, default=[1e6, 1e8])
+    ap.add_argument("--rows", type=int, default=1, help="batch of rows, each of the given size")
     ap.add_argument("--method", default="auto")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--calls", type=int, default=5)
@@ -24,10 +25,10 @@ def main():
     args = ap.parse_args()
     for nf in args.sizes:
         n = int(nf)
-        x = torch.randn(1, n, device="cuda").requires_grad_()
+        x = torch.randn(args.rows, n, device="cuda").requires_grad_()
         g = torch.randn_like(x)
-        k = torch.full((1,), n / 16, dtype=torch.float64, device="cuda")
-        t = torch.ones(1, dtype=torch.float64, device="cuda")
+        k = torch.full((args.rows,), n / 16, dtype=torch.float64, device="cuda")
+        t = torch.ones(args.rows, dtype=torch.float64, device="cuda")
 
         def call():  # autograd.grad: no accumulation into x.grad in the timings
             torch.autograd.grad(fastlapsum.soft_topk(x, k, t, method=args.method), x, g)
@@ -44,7 +45,7 @@ def main():
             for _ in range(args.calls):
                 call()
             torch.cuda.synchronize()
-        print(f"==== n = {n:,} ({args.method}), {args.calls} forward+backward calls")
+        print(f"==== {args.rows} x n = {n:,} ({args.method}), {args.calls} forward+backward calls")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
 
 
