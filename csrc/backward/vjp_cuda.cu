@@ -6,6 +6,8 @@
 
 #include <cub/block/block_reduce.cuh>
 
+#include <type_traits>
+
 #include "../common/cuda_launch.cuh"
 #include "../common/gpu_rows.cuh"
 #include "../common/op_io.h"
@@ -24,6 +26,29 @@ struct SumOp {
   }
 };
 
+// The VJP terms of one element of an fp32/fp16/bf16 row, in fp32 (fp64 rows use vjp_term):
+// d = s - b with b split into two floats (s - b.hi is exact for the scores within a factor
+// 2 of b, the ones that carry weight when |b| >> t), one MUFU exponential. An infinite or
+// NaN d (an infinite score or threshold) gives zero terms, as in vjp_term.
+struct SplitB {
+  float hi, lo;
+};
+__device__ inline SplitB split_b(double b) {
+  const float hi = static_cast<float>(b);
+  return SplitB{hi, static_cast<float>(b - static_cast<double>(hi))};
+}
+struct VjpTermF {
+  float tw, G, d;
+};
+__device__ __forceinline__ VjpTermF vjp_term_f(float s, SplitB b, const ScaledExp<float>& ex, float g,
+                                               bool log_mode) {
+  const float d = (s - b.hi) - b.lo;
+  if (!(fabsf(d) <= 3.4028234663852886e38f)) return VjpTermF{0.0f, 0.0f, 0.0f};
+  const float e = ex(fabsf(d)), tw = 0.5f * e;
+  const float G = !log_mode ? g * tw : (d <= 0.0f ? g : g * e / (2.0f - e));
+  return VjpTermF{tw, G, d};
+}
+
 // the threshold VJP has no upstream tensor (grad == nullptr)
 template <typename scalar_t>
 __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ x,
@@ -36,13 +61,31 @@ __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scala
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const double br = sign * b[r], inv_t = inv_temperature(t[r]);
     VjpSums acc;
-    stream_row<scalar_t>(x + r * n, grad == nullptr ? nullptr : grad + r * n, n,
-                         [&](const double(&xv)[V], const double(&gv)[V], int valid, int64_t) {
+    const scalar_t* gr = grad == nullptr ? nullptr : grad + r * n;
+    if constexpr (std::is_same<scalar_t, double>::value) {
+      stream_row<scalar_t>(x + r * n, gr, n, [&](const double(&xv)[V], const double(&gv)[V], int valid, int64_t) {
 #pragma unroll
-                           for (int q = 0; q < V; ++q)  // constant indices: xv, gv stay in registers
-                             if (q < valid)
-                               acc.add(vjp_term(sign * xv[q], br, inv_t, gv[q], log_mode, ExpTerm<scalar_t>{}));
-                         });
+        for (int q = 0; q < V; ++q)  // constant indices: xv, gv stay in registers
+          if (q < valid) acc.add(vjp_term(sign * xv[q], br, inv_t, gv[q], log_mode, ExpF64{}));
+      });
+    } else {  // fp32 terms, summed per vector in fp32, then in fp64
+      const SplitB bs = split_b(br);
+      const ScaledExp<float> ex(inv_t);
+      const float sign_f = static_cast<float>(sign);
+      stream_row<scalar_t, float>(x + r * n, gr, n, [&](const float(&xv)[V], const float(&gv)[V], int valid, int64_t) {
+        float tw = 0.0f, G = 0.0f, twd = 0.0f, Gd = 0.0f;
+#pragma unroll
+        for (int q = 0; q < V; ++q)
+          if (q < valid) {
+            const VjpTermF e = vjp_term_f(sign_f * xv[q], bs, ex, gv[q], log_mode);
+            tw += e.tw;
+            G += e.G;
+            twd += e.tw * e.d;
+            Gd += e.G * e.d;
+          }
+        acc.merge(VjpSums{tw, G, twd, Gd});
+      });
+    }
     const VjpSums total = Reduce(tmp).Reduce(acc, SumOp());
     if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x] = total;
     __syncthreads();
@@ -103,16 +146,32 @@ __global__ void vjp_apply_kernel(const scalar_t* __restrict__ grad, const double
     }
     scalar_t* out = gx + r * n;
     const bool aligned = is_aligned16(out);
-    stream_row<scalar_t>(x + r * n, grad == nullptr ? nullptr : grad + r * n, n,
-                         [&](const double(&xv)[V], const double(&gv)[V], int valid, int64_t i0) {
-                           double o[V];
+    const scalar_t* gr = grad == nullptr ? nullptr : grad + r * n;
+    if constexpr (std::is_same<scalar_t, double>::value) {
+      stream_row<scalar_t>(x + r * n, gr, n, [&](const double(&xv)[V], const double(&gv)[V], int valid, int64_t i0) {
+        double o[V];
 #pragma unroll
-                           for (int q = 0; q < V; ++q) {
-                             const VjpTerm e = vjp_term(sign * xv[q], br, inv_t, gv[q], log_mode, ExpTerm<scalar_t>{});
-                             o[q] = nan ? NAN : sign * ((e.G * cg - e.tw * cr) * cs);
-                           }
-                           store_vec<scalar_t, V>(out, n, i0, aligned && valid == V, o);
-                         });
+        for (int q = 0; q < V; ++q) {
+          const VjpTerm e = vjp_term(sign * xv[q], br, inv_t, gv[q], log_mode, ExpF64{});
+          o[q] = nan ? NAN : sign * ((e.G * cg - e.tw * cr) * cs);
+        }
+        store_vec<scalar_t, V>(out, n, i0, aligned && valid == V, o);
+      });
+    } else {  // fp32 terms; the row's coefficients can exceed fp32 (1/W), so they combine in fp64
+      const SplitB bs = split_b(br);
+      const ScaledExp<float> ex(inv_t);
+      const float sign_f = static_cast<float>(sign);
+      const double kg = sign * cg * cs, kr = sign * cr * cs;
+      stream_row<scalar_t, float>(x + r * n, gr, n, [&](const float(&xv)[V], const float(&gv)[V], int valid, int64_t i0) {
+        double o[V];
+#pragma unroll
+        for (int q = 0; q < V; ++q) {
+          const VjpTermF e = vjp_term_f(sign_f * xv[q], bs, ex, gv[q], log_mode);
+          o[q] = nan ? NAN : static_cast<double>(e.G) * kg - static_cast<double>(e.tw) * kr;
+        }
+        store_vec<scalar_t, V>(out, n, i0, aligned && valid == V, o);
+      });
+    }
   }
 }
 

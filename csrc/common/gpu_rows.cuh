@@ -24,12 +24,6 @@ __device__ __forceinline__ double mask_prob(double s, double b, double t, double
   else return static_cast<double>(lapsum_prob_f(s, b, inv_t, edge));
 }
 
-// exp_term as a functor (for the shared VJP algebra of vjp_math.h).
-template <typename scalar_t>
-struct ExpTerm {
-  __device__ double operator()(double u) const { return exp_term<scalar_t>(u); }
-};
-
 // Elements per 16-byte vector load.
 template <typename scalar_t>
 constexpr int vec_width() {
@@ -104,11 +98,12 @@ __device__ __forceinline__ RawVec<scalar_t> load_raw(const scalar_t* __restrict_
   return r;
 }
 
-// Loads elements [i0, i0 + V) of a row (those below n) as doubles, with one 16-byte load
-// when the row is aligned and the vector is whole. Returns how many are valid.
-template <typename scalar_t, int V>
+// Loads elements [i0, i0 + V) of a row (those below n) as Val (double, or the compute type),
+// with one 16-byte load when the row is aligned and the vector is whole. Returns how many
+// are valid.
+template <typename scalar_t, int V, typename Val>
 __device__ __forceinline__ int load_vec(const scalar_t* __restrict__ row, int64_t n, int64_t i0,
-                                        bool aligned, double (&v)[V]) {
+                                        bool aligned, Val (&v)[V]) {
   if (aligned && i0 + V <= n) {
     union {
       uint4 raw;
@@ -116,14 +111,14 @@ __device__ __forceinline__ int load_vec(const scalar_t* __restrict__ row, int64_
     } u;
     u.raw = __ldg(reinterpret_cast<const uint4*>(row + i0));
 #pragma unroll
-    for (int q = 0; q < V; ++q) v[q] = static_cast<double>(u.s[q]);
+    for (int q = 0; q < V; ++q) v[q] = static_cast<Val>(u.s[q]);
     return V;
   }
   int valid = 0;
 #pragma unroll
   for (int q = 0; q < V; ++q)
     if (i0 + q < n) {
-      v[q] = static_cast<double>(row[i0 + q]);
+      v[q] = static_cast<Val>(row[i0 + q]);
       ++valid;
     }
   return valid;
@@ -131,9 +126,9 @@ __device__ __forceinline__ int load_vec(const scalar_t* __restrict__ row, int64_
 
 // Stores elements [i0, i0 + V) of a row (those below n), with one 16-byte store when the
 // row is aligned and the vector is whole.
-template <typename scalar_t, int V>
+template <typename scalar_t, int V, typename Val>
 __device__ __forceinline__ void store_vec(scalar_t* __restrict__ row, int64_t n, int64_t i0, bool aligned,
-                                          const double (&v)[V]) {
+                                          const Val (&v)[V]) {
   if (aligned && i0 + V <= n) {
     union {
       uint4 raw;
@@ -161,22 +156,23 @@ __device__ __forceinline__ bool is_aligned16(const T* p) {
 
 // Streams a row (and its upstream gradient when gr != nullptr) in tiles of kStreamUnroll
 // 16-byte vectors per thread, the loads of a tile issued together, and calls
-// f(x values, g values (0 without gr), valid count, first index) per vector.
+// f(x values, g values (0 without gr), valid count, first index) per vector, the values
+// as Val (double, or the compute type: fp32<->fp64 conversions run at quarter rate).
 // Block c of the row's gridDim.x blocks takes tiles c, c + gridDim.x, ...
-template <typename scalar_t, typename F>
+template <typename scalar_t, typename Val = double, typename F>
 __device__ __forceinline__ void stream_row(const scalar_t* __restrict__ xr, const scalar_t* __restrict__ gr,
                                            int64_t n, F&& f) {
   constexpr int V = vec_width<scalar_t>();
   const bool aligned = is_aligned16(xr) && (gr == nullptr || is_aligned16(gr));
   const int64_t tile = int64_t(blockDim.x) * V * kStreamUnroll;
   for (int64_t t0 = int64_t(blockIdx.x) * tile; t0 < n; t0 += int64_t(gridDim.x) * tile) {
-    double xv[kStreamUnroll][V], gv[kStreamUnroll][V];
+    Val xv[kStreamUnroll][V], gv[kStreamUnroll][V];
     int valid[kStreamUnroll];
 #pragma unroll
     for (int u = 0; u < kStreamUnroll; ++u) {
       const int64_t i0 = t0 + (int64_t(u) * blockDim.x + threadIdx.x) * V;
 #pragma unroll
-      for (int q = 0; q < V; ++q) gv[u][q] = xv[u][q] = 0.0;
+      for (int q = 0; q < V; ++q) gv[u][q] = xv[u][q] = Val(0);
       valid[u] = i0 < n ? load_vec<scalar_t, V>(xr, n, i0, aligned, xv[u]) : 0;
       if (gr != nullptr && valid[u] > 0) load_vec<scalar_t, V>(gr, n, i0, aligned, gv[u]);
     }
