@@ -125,6 +125,29 @@ struct AtomMerge {
   }
 };
 
+// The scan's bins and tails against the two ends of the key range [a_lo, a_hi]:
+// u = sum e^{(a_lo - s)/t}, l = sum e^{(s - a_hi)/t}, and the lowest / highest nonempty bin
+// edge. When the range spans at most kFlatSpan temperatures these stay in fp64's normal
+// range, so merges are plain sums and the scan's dependent chains hold no exponentials
+// (merging atoms costs two per step). Wider ranges (the fallback's whole-row level, tiny t)
+// take the atom scan.
+constexpr double kFlatSpan = 512.0;
+struct FlatAtom {
+  double count, u, l, lo, hi;
+};
+struct FlatMerge {
+  __device__ FlatAtom operator()(const FlatAtom& a, const FlatAtom& b) const {
+    return FlatAtom{a.count + b.count, a.u + b.u, a.l + b.l, fmin(a.lo, b.lo), fmax(a.hi, b.hi)};
+  }
+};
+struct FlatFrame {
+  double a_lo, a_hi, inv_t;
+  // Psi at g in [a_lo, a_hi]: C scores above g with sum u, the scores below with sum l.
+  __device__ double psi(double C, double u, double l, double g) const {
+    return C - 0.5 * u * exp((g - a_lo) * inv_t) + 0.5 * l * exp((a_hi - g) * inv_t);
+  }
+};
+
 
 // Block-wide reduction in a fixed order with a short chain of dependent merges: a shuffle
 // tree in each warp, then one over the warps' results (cub::BlockReduce merges those one
@@ -173,6 +196,16 @@ __device__ inline BinKeys bin_keys(uint64_t lo, uint64_t hi, int shift, int bin)
   const uint64_t first = lo + (static_cast<uint64_t>(bin) << shift);
   const uint64_t last_full = first + ((uint64_t(1) << shift) - 1);
   return BinKeys{first, last_full > hi || last_full < first ? hi : last_full};
+}
+
+template <typename KT>
+__device__ inline FlatAtom flat_bin(const BinSums& h, uint64_t lo, uint64_t hi, int shift, int bin, const FlatFrame& f) {
+  if (h.count == 0) return FlatAtom{0.0, 0.0, 0.0, INFINITY, -INFINITY};
+  using Key = typename KT::Key;
+  const BinKeys b = bin_keys(lo, hi, shift, bin);
+  const double e_lo = KT::value(Key(b.first)), e_hi = KT::value(Key(b.last));
+  return FlatAtom{static_cast<double>(h.count), h.U * exp((f.a_lo - e_lo) * f.inv_t), h.L * exp((e_hi - f.a_hi) * f.inv_t),
+                  e_lo, e_hi};
 }
 
 template <typename KT>
@@ -591,16 +624,20 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
   using Key = typename KT::Key;
   using Fold = cub::BlockReduce<LevelPartial, kScanThreads>;
   using AtomScan = cub::BlockScan<Atom, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;  // raking would need 40 KB
+  using FlatScan = cub::BlockScan<FlatAtom, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   using MinIndex = cub::BlockReduce<int, kScanThreads>;
   __shared__ union {
     typename Fold::TempStorage fold;
     typename AtomScan::TempStorage scan;
+    typename FlatScan::TempStorage flat;
     typename MinIndex::TempStorage min;
   } tmp;
-  __shared__ Atom s_group[kScanThreads], s_above[kScanThreads];
+  __shared__ union {
+    Atom atom[kScanThreads];
+    FlatAtom flat[kScanThreads];
+  } s_group, s_above;
   __shared__ LevelPartial s_total;
-  __shared__ Atom s_prefix_all, s_suffix_all;
-  __shared__ double s_gap_lo, s_gap_hi;
+  __shared__ double s_gap_lo, s_gap_hi, s_psi_top, s_psi_bottom;
   __shared__ int s_inside, s_owner;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     RowState st = state[r];
@@ -657,88 +694,165 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
         st.below0 = below;
       }
       const int shift = bin_shift(lo, hi);
-      const AtomMerge merge{inv_temperature(t)};
-      const Atom none{0, 0, 0, 0, 0};
-      const Atom above_atom = above.count > 0.0 ? Atom{above.ref, above.ref, above.count, above.sum, 0.0} : none;
-      const Atom below_atom = below.sum > 0.0 ? Atom{below.ref, below.ref, 1.0, 0.0, below.sum} : none;
-      // Thread j owns bins [kScanBins j, kScanBins (j + 1)) as one group atom; two block scans
-      // give each group the atoms below it (after the lower tail) and above it (after the
-      // upper tail). Psi decreases: the highest group whose lowest edge has Psi >= k holds
-      // the root (inside one of its bins, or in the gap above one) and only its owner walks
-      // its bins, so that most threads fold their bins once (exponentials are the cost).
-      const int j = static_cast<int>(threadIdx.x), base = kScanBins * j;
-      Atom group = none;
-      for (int q = 0; q < kScanBins; ++q) group = merge(group, bin_atom<KT>(h[base + q], lo, hi, shift, base + q));
-      s_group[j] = group;
-      Atom below_g, above_r;
-      AtomScan(tmp.scan).ExclusiveScan(group, below_g, below_atom, merge);
-      __syncthreads();  // s_group; tmp.scan reused
-      AtomScan(tmp.scan).ExclusiveScan(s_group[kScanThreads - 1 - j], above_r, above_atom, merge);
-      s_above[kScanThreads - 1 - j] = above_r;  // the upper tail and the groups above that one
-      if (j == kScanThreads - 1) s_suffix_all = merge(below_g, group);
-      __syncthreads();  // s_above; tmp.scan -> tmp.min
-      const Atom above_g = s_above[j];
-      if (j == 0) s_prefix_all = merge(above_g, group);
-      const double k = st.k;
-      bool holds = false;  // Psi at the group's lower edge, its scores above that edge
-      if (group.count > 0.0) {
-        const Atom q = merge(above_g, group);  // q.lo is the group's lower edge
-        const bool lower = below_g.count > 0.0;
-        holds = psi_at_hi(q.count, q.U, lower ? below_g.L : 0.0, q.lo, lower ? below_g.hi : -INFINITY, t) >= k;
-      }
-      const int low = MinIndex(tmp.min).Reduce(holds ? kScanThreads - 1 - j : kScanThreads, MinInt{});
-      if (j == 0) {
-        s_owner = kScanThreads - 1 - low;  // -1: the root lies below every bin
-        s_inside = kBins;
-        s_gap_lo = below.ref;
-        s_gap_hi = s_prefix_all.count > 0.0 ? s_prefix_all.lo : above.ref;
-      }
-      __syncthreads();
-      if (j == s_owner) {
-        // The walk of scan_atoms over the group's bins, descending: the first bin whose upper
-        // edge has Psi >= k has the root in the gap above it; a bin with Psi < k at its upper
-        // and > k at its lower edge holds it. Neither (Psi = k at the group's lower edge, to
-        // rounding): the gap below the group.
-        double suf_hi[kScanBins], suf_L[kScanBins];  // the atoms below each bin, lower tail included
-        Atom run = below_g;
-        for (int q = 0; q < kScanBins; ++q) {
-          suf_hi[q] = run.count > 0.0 ? run.hi : -INFINITY;
-          suf_L[q] = run.count > 0.0 ? run.L : 0.0;
-          run = merge(run, bin_atom<KT>(h[base + q], lo, hi, shift, base + q));
+      const double inv_t = inv_temperature(t), k = st.k;
+      // flat: the lower tail's sum must stay normal against a_hi (a sum below 1e-60, rare,
+      // still decides Psi when k is that small)
+      if ((a_hi - a_lo) * inv_t <= kFlatSpan && !(below.sum > 0.0 && below.sum < 1e-60)) {  // uniform
+        const FlatFrame f{a_lo, a_hi, inv_t};
+        const double drop = exp((a_lo - a_hi) * inv_t);  // the tails' sums against the far end
+        const FlatAtom none{0.0, 0.0, 0.0, INFINITY, -INFINITY};
+        const FlatAtom above_tail{above.count, above.sum * drop, 0.0, INFINITY, -INFINITY};
+        const FlatAtom below_tail{0.0, 0.0, below.sum * drop, INFINITY, -INFINITY};
+        // The same scan as the atom path below, with sums in place of merges.
+        const int j = static_cast<int>(threadIdx.x), base = kScanBins * j;
+        FlatAtom group = none;
+        for (int q = 0; q < kScanBins; ++q) group = FlatMerge{}(group, flat_bin<KT>(h[base + q], lo, hi, shift, base + q, f));
+        s_group.flat[j] = group;
+        FlatAtom below_g, above_r;
+        FlatScan(tmp.flat).ExclusiveScan(group, below_g, below_tail, FlatMerge{});
+        __syncthreads();  // s_group; tmp.flat reused
+        FlatScan(tmp.flat).ExclusiveScan(s_group.flat[kScanThreads - 1 - j], above_r, above_tail, FlatMerge{});
+        s_above.flat[kScanThreads - 1 - j] = above_r;
+        if (j == kScanThreads - 1) s_psi_top = f.psi(above.count, above.sum * drop, below_g.l + group.l, a_hi);
+        __syncthreads();  // s_above; tmp.flat -> tmp.min
+        const FlatAtom above_g = s_above.flat[j];
+        const bool holds = group.count > 0.0 &&
+                           f.psi(above_g.count + group.count, above_g.u + group.u, below_g.l, group.lo) >= k;
+        const int low = MinIndex(tmp.min).Reduce(holds ? kScanThreads - 1 - j : kScanThreads, MinInt{});
+        if (j == 0) {
+          s_owner = kScanThreads - 1 - low;  // -1: the root lies below every bin
+          s_inside = kBins;
+          s_gap_lo = below.ref;
+          s_gap_hi = fmin(fmin(above_g.lo, group.lo), a_hi);
+          s_psi_bottom = f.psi(above_g.count + group.count, above_g.u + group.u, below_tail.l, a_lo);
         }
-        double gap_lo = below_g.count > 0.0 ? below_g.hi : below.ref, gap_hi = group.lo;
-        run = above_g;
-        for (int q = kScanBins - 1; q >= 0; --q) {
-          const int bin = base + q;
-          const Atom a = bin_atom<KT>(h[bin], lo, hi, shift, bin);
-          const Atom p = run;
-          run = merge(run, a);
-          if (a.count == 0.0) continue;
-          const double C = p.count, A = p.count > 0.0 ? p.U : 0.0, top = p.count > 0.0 ? p.lo : INFINITY;
-          const double sL = suf_L[q], sH = suf_hi[q];
-          const double L_incl = a.L + (sL > 0.0 ? sL * exp((sH - a.hi) / t) : 0.0);
-          if (psi_at_lo(C, A, L_incl, top, a.hi, t) >= k) {
-            gap_lo = a.hi;
-            gap_hi = p.count > 0.0 ? p.lo : above.ref;
-            break;
+        __syncthreads();
+        if (j == s_owner) {
+          // The owner's walk, descending, every bin's two tests computed (their exponentials
+          // overlap) and the first bin that passes one taken: Psi >= k at its upper edge puts
+          // the root in the gap above it, Psi > k at its lower edge (bin counted above) inside it.
+          FlatAtom a[kScanBins];
+          double below_l[kScanBins];  // the sums below each bin, lower tail included
+          double run_l = below_g.l;
+#pragma unroll
+          for (int q = 0; q < kScanBins; ++q) {
+            a[q] = flat_bin<KT>(h[base + q], lo, hi, shift, base + q, f);
+            below_l[q] = run_l;
+            run_l += a[q].l;
           }
-          if (a.lo < a.hi) {
-            const double U_incl = a.U + (A > 0.0 ? A * exp((a.lo - top) / t) : 0.0);
-            if (psi_at_hi(C + a.count, U_incl, sL, a.lo, sL > 0.0 ? sH : -INFINITY, t) > k) {
-              s_inside = bin;
+          double C = above_g.count, u = above_g.u, top = above_g.lo;  // the atoms above bin q
+          int hit = -1;
+          bool gap_hit = false;
+          double hit_lo = 0.0, hit_hi = 0.0;  // the gap above the hit bin
+#pragma unroll
+          for (int q = kScanBins - 1; q >= 0; --q) {
+            if (a[q].count == 0.0) continue;
+            const bool gap = f.psi(C, u, a[q].l + below_l[q], a[q].hi) >= k;
+            const bool inside = a[q].lo < a[q].hi && f.psi(C + a[q].count, u + a[q].u, below_l[q], a[q].lo) > k;
+            if (hit < 0 && (gap || inside)) {
+              hit = q;
+              gap_hit = gap;
+              hit_lo = a[q].hi;
+              hit_hi = fmin(top, a_hi);
+            }
+            C += a[q].count;
+            u += a[q].u;
+            top = fmin(top, a[q].lo);
+          }
+          s_gap_lo = below_g.count > 0.0 ? below_g.hi : below.ref;
+          s_gap_hi = group.lo;
+          if (hit >= 0 && gap_hit) {
+            s_gap_lo = hit_lo;
+            s_gap_hi = hit_hi;
+          } else if (hit >= 0) {
+            s_inside = base + hit;
+          }
+        }
+        __syncthreads();
+      } else {
+        const AtomMerge merge{inv_t};
+        const Atom none{0, 0, 0, 0, 0};
+        const Atom above_atom = above.count > 0.0 ? Atom{above.ref, above.ref, above.count, above.sum, 0.0} : none;
+        const Atom below_atom = below.sum > 0.0 ? Atom{below.ref, below.ref, 1.0, 0.0, below.sum} : none;
+        // Thread j owns bins [kScanBins j, kScanBins (j + 1)) as one group atom; two block scans
+        // give each group the atoms below it (after the lower tail) and above it (after the
+        // upper tail). Psi decreases: the highest group whose lowest edge has Psi >= k holds
+        // the root (inside one of its bins, or in the gap above one) and only its owner walks
+        // its bins, so that most threads fold their bins once (exponentials are the cost).
+        const int j = static_cast<int>(threadIdx.x), base = kScanBins * j;
+        Atom group = none;
+        for (int q = 0; q < kScanBins; ++q) group = merge(group, bin_atom<KT>(h[base + q], lo, hi, shift, base + q));
+        s_group.atom[j] = group;
+        Atom below_g, above_r;
+        AtomScan(tmp.scan).ExclusiveScan(group, below_g, below_atom, merge);
+        __syncthreads();  // s_group; tmp.scan reused
+        AtomScan(tmp.scan).ExclusiveScan(s_group.atom[kScanThreads - 1 - j], above_r, above_atom, merge);
+        s_above.atom[kScanThreads - 1 - j] = above_r;  // the upper tail and the groups above that one
+        if (j == kScanThreads - 1) {  // Psi at the range top: the upper tail above, everything else below
+          const Atom sa = merge(below_g, group);
+          s_psi_top = psi_at_hi(above.count, above.sum, sa.count > 0.0 ? sa.L : 0.0, above.ref,
+                                sa.count > 0.0 ? sa.hi : -INFINITY, t);
+        }
+        __syncthreads();  // s_above; tmp.scan -> tmp.min
+        const Atom above_g = s_above.atom[j];
+        const Atom pa = merge(above_g, group);  // pa.lo is the group's lower edge; in thread 0, all atoms
+        bool holds = false;  // Psi at the group's lower edge, its scores above that edge
+        if (group.count > 0.0) {
+          const bool lower = below_g.count > 0.0;
+          holds = psi_at_hi(pa.count, pa.U, lower ? below_g.L : 0.0, pa.lo, lower ? below_g.hi : -INFINITY, t) >= k;
+        }
+        const int low = MinIndex(tmp.min).Reduce(holds ? kScanThreads - 1 - j : kScanThreads, MinInt{});
+        if (j == 0) {
+          s_owner = kScanThreads - 1 - low;  // -1: the root lies below every bin
+          s_inside = kBins;
+          s_gap_lo = below.ref;
+          s_gap_hi = pa.count > 0.0 ? pa.lo : above.ref;
+          s_psi_bottom = psi_at_lo(pa.count, pa.count > 0.0 ? pa.U : 0.0, below.sum, pa.count > 0.0 ? pa.lo : INFINITY,
+                                   below.ref, t);
+        }
+        __syncthreads();
+        if (j == s_owner) {
+          // The walk of scan_atoms over the group's bins, descending: the first bin whose upper
+          // edge has Psi >= k has the root in the gap above it; a bin with Psi < k at its upper
+          // and > k at its lower edge holds it. Neither (Psi = k at the group's lower edge, to
+          // rounding): the gap below the group.
+          double suf_hi[kScanBins], suf_L[kScanBins];  // the atoms below each bin, lower tail included
+          Atom run = below_g;
+          for (int q = 0; q < kScanBins; ++q) {
+            suf_hi[q] = run.count > 0.0 ? run.hi : -INFINITY;
+            suf_L[q] = run.count > 0.0 ? run.L : 0.0;
+            run = merge(run, bin_atom<KT>(h[base + q], lo, hi, shift, base + q));
+          }
+          double gap_lo = below_g.count > 0.0 ? below_g.hi : below.ref, gap_hi = group.lo;
+          run = above_g;
+          for (int q = kScanBins - 1; q >= 0; --q) {
+            const int bin = base + q;
+            const Atom a = bin_atom<KT>(h[bin], lo, hi, shift, bin);
+            const Atom p = run;
+            run = merge(run, a);
+            if (a.count == 0.0) continue;
+            const double C = p.count, A = p.count > 0.0 ? p.U : 0.0, top = p.count > 0.0 ? p.lo : INFINITY;
+            const double sL = suf_L[q], sH = suf_hi[q];
+            const double L_incl = a.L + (sL > 0.0 ? sL * exp((sH - a.hi) / t) : 0.0);
+            if (psi_at_lo(C, A, L_incl, top, a.hi, t) >= k) {
+              gap_lo = a.hi;
+              gap_hi = p.count > 0.0 ? p.lo : above.ref;
               break;
             }
+            if (a.lo < a.hi) {
+              const double U_incl = a.U + (A > 0.0 ? A * exp((a.lo - top) / t) : 0.0);
+              if (psi_at_hi(C + a.count, U_incl, sL, a.lo, sL > 0.0 ? sH : -INFINITY, t) > k) {
+                s_inside = bin;
+                break;
+              }
+            }
           }
+          s_gap_lo = gap_lo;
+          s_gap_hi = gap_hi;
         }
-        s_gap_lo = gap_lo;
-        s_gap_hi = gap_hi;
+        __syncthreads();
       }
-      __syncthreads();
-      const Atom pa = s_prefix_all, sa = s_suffix_all;
-      const double psi_top = psi_at_hi(above.count, above.sum, sa.count > 0.0 ? sa.L : 0.0, above.ref,
-                                       sa.count > 0.0 ? sa.hi : -INFINITY, t);
-      const double psi_bottom = psi_at_lo(pa.count, pa.count > 0.0 ? pa.U : 0.0, below.sum,
-                                          pa.count > 0.0 ? pa.lo : INFINITY, below.ref, t);
+      const double psi_top = s_psi_top, psi_bottom = s_psi_bottom;
       if (st.certify != kCertified && st.status == kRefineMiddle && !(psi_top <= k && psi_bottom >= k)) {
         st = fallback_state(st, KT::min_key(), KT::max_key());  // the sample missed: exact fallback
       } else if (s_inside < kBins) {
