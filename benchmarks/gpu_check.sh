@@ -5,7 +5,7 @@
 # few files) next to summary.txt.
 #   device run:  bash benchmarks/gpu_check.sh     (STEPS="build test demo bench bench_hard")
 # Knobs: STEPS (also profile, ncu, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
-# NCU_KERNELS, NCU_SIZES, NCU_HARD_SHAPE, NCU_HARD_K, NCU_METRICS, BUDGET (seconds for the whole script).
+# NCU_KERNELS, NCU_SIZES, NCU_HARD_SHAPE, NCU_HARD_K, NCU_METRICS, NCU_EXTRA (e.g. --section SourceCounters), BUDGET (seconds for the whole script).
 # PYTEST_EXTRA, BENCH_ARGS, BENCH_HARD_ARGS, TP_ARGS, GS_ARGS, L0_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,13 +44,13 @@ for step in $STEPS; do
     ncu)  # per-kernel hardware counters of one forward+backward at each size (if ncu exists)
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
       [ -n "$NCU" ] && run ncu 300 "$NCU" -k "${NCU_KERNELS:-regex:^(sample|propose|level|scan|sides|solve|lapsum_mask|vjp_reduce|vjp_apply|short_rows)_kernel}" --section SpeedOfLight \
-        --section Occupancy --section LaunchStats --section WarpStateStats --metrics "$NCU_METRICS" \
+        --section Occupancy --section LaunchStats --section WarpStateStats --metrics "$NCU_METRICS" ${NCU_EXTRA:-} \
         $PY benchmarks/profile_soft_topk.py --sizes ${NCU_SIZES:-1e6 1e8} --warmup 0 --calls 1 --bare \
         || echo "ncu: not found or failed" ;;
     ncu_hard)  # the same for fastlapsum.topk on one shape of the 20-shape matrix
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
       [ -n "$NCU" ] && run ncu_hard 300 "$NCU" -k "regex:row_select_kernel|^g_" --section SpeedOfLight \
-        --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --metrics "$NCU_METRICS" \
+        --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --metrics "$NCU_METRICS" ${NCU_EXTRA:-} \
         $PY -c "import torch, fastlapsum; x = torch.randn(${NCU_HARD_SHAPE:-2048, 524288}, device='cuda'); fastlapsum.topk(x, ${NCU_HARD_K:-2048}, sorted=False); torch.cuda.synchronize()" \
         || echo "ncu: not found or failed" ;;
     token_pruning) run token_pruning "${EXAMPLE_TIMEOUT:-420}" $PY examples/token_pruning/train.py --device cuda --out "$L/token_pruning" ${TP_ARGS:-} ;;
