@@ -4,8 +4,9 @@
 # plots go to $OUT, packed into $OUT/gpu_check.tgz (the device tool brings back only a
 # few files) next to summary.txt.
 #   device run:  bash benchmarks/gpu_check.sh     (STEPS="build test demo bench bench_hard")
-# Knobs: STEPS (also profile, ncu, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
-# NCU_KERNELS, NCU_SIZES, NCU_HARD_SHAPE, NCU_HARD_K, NCU_METRICS, NCU_EXTRA (e.g. --section SourceCounters), BUDGET (seconds for the whole script).
+# Knobs: STEPS (also profile, ncu, ncu_hard, ncu_source, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
+# NCU_KERNELS, NCU_SIZES, NCU_HARD_SHAPE, NCU_HARD_K, NCU_METRICS, NCU_EXTRA (e.g. --section SourceCounters),
+# NCU_SRC_KERNEL, NCU_SRC_SKIP, NCU_SRC_CMD (step ncu_source), BUDGET (seconds for the whole script).
 # PYTEST_EXTRA, BENCH_ARGS, BENCH_HARD_ARGS, TP_ARGS, GS_ARGS, L0_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +54,7 @@ for step in $STEPS; do
         --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --metrics "$NCU_METRICS" ${NCU_EXTRA:-} \
         $PY -c "import torch, fastlapsum; x = torch.randn(${NCU_HARD_SHAPE:-2048, 524288}, device='cuda'); fastlapsum.topk(x, ${NCU_HARD_K:-2048}, sorted=False); torch.cuda.synchronize()" \
         || echo "ncu: not found or failed" ;;
+    ncu_source) run ncu_source 240 bash benchmarks/ncu_source.sh "$L" ;;  # knobs: see that script
     token_pruning) run token_pruning "${EXAMPLE_TIMEOUT:-420}" $PY examples/token_pruning/train.py --device cuda --out "$L/token_pruning" ${TP_ARGS:-} ;;
     gaussian_splatting) run gaussian_splatting "${EXAMPLE_TIMEOUT:-420}" $PY examples/gaussian_splatting/train.py --device cuda --scene large --out "$L/gaussian_splatting" ${GS_ARGS:-} ;;
     l0_attack) run l0_attack "${EXAMPLE_TIMEOUT:-420}" $PY examples/l0_attack/attack.py --device cuda --megapixel --out "$L/l0_attack" ${L0_ARGS:-} ;;

@@ -11,6 +11,15 @@ namespace fastlapsum {
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
+// Streaming multiprocessors of the current device, looked up once per device (so that later
+// calls, e.g. under graph capture, make no CUDA API call but launches).
+inline int sm_count() {
+  static int cached[256] = {};
+  const int dev = c10::cuda::current_device();
+  if (cached[dev] == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&cached[dev], cudaDevAttrMultiProcessorCount, dev));
+  return cached[dev];
+}
+
 constexpr int kThreads = 256;
 
 // A [chunks, rows] grid for row-wise work: chunks enough to cover a row with `per_thread`

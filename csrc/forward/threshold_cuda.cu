@@ -482,32 +482,46 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
         constexpr bool kGather = decltype(gather_tag)::value;
         constexpr F kMax = std::numeric_limits<F>::max(), kInf = std::numeric_limits<F>::infinity();
         const auto index = [&](int u, int q) { return tl * tile + (int64_t(u) * kLevelThreads + threadIdx.x) * V + q; };
-        F above_part = 0, below_part = 0, above_cnt = 0, poison = 0, low_bits = 0, high_bits = 0;
+        F above_part = 0, below_part = 0, above_cnt = 0, poison = 0;
+        F above_lo = 0, above_hi = 0, below_lo = 0, below_hi = 0;  // gather: a bit per score per side
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
           for (int q = 0; q < V; ++q) {
             const int bit = u * V + q;
-            const F s = vec[u][q] * sign_c;
-            const F above_by = s - hi_c, below_by = lo_c - s;  // > 0: outside, on that side
-            const F out = fmax(above_by, below_by);            // <= 0: inside the range
-            const F e = tail_exp(fabs(out));                   // e^{-|out|/t}: 0 for +-inf
+            const F v = vec[u][q];
+            // s = sign v is exact, so each difference is one rounding of s - end: its sign is exact
+            const F above_by = fma(v, sign_c, -hi_c), below_by = fma(v, -sign_c, lo_c);  // > 0: that side
+            const F out = fmax(above_by, below_by);  // <= 0: inside the range
+            const F e = tail_exp(fabs(out));         // e^{-|out|/t}: 0 for +-inf
             const F is_above = positive_indicator(above_by), is_below = positive_indicator(below_by);
             above_part = fma(is_above, e, above_part);
             below_part = fma(is_below, e, below_part);
-            above_cnt += is_above;
-            poison = fma(s, F(0), poison);  // NaN once a score is +-inf or NaN
-            if (kGather) {  // exact: at most 16 distinct powers of two per sum
-              F& bits = bit < 16 ? low_bits : high_bits;
-              bits = fma(F(1) - is_above - is_below, F(1 << (bit % 16)), bits);
-            } else if (!(out > F(0)) && index(u, q) < n) {
-              consider(static_cast<double>(s));
+            poison = fma(v, F(0), poison);  // NaN once a score is +-inf or NaN
+            if (kGather) {  // the sides' bits (exact: at most 16 distinct powers of two per sum); the
+                            // count above is their popcount, the gathered ones are neither side's
+              const F place = F(1 << (bit % 16));
+              F& ab = bit < 16 ? above_lo : above_hi;
+              F& bb = bit < 16 ? below_lo : below_hi;
+              ab = fma(is_above, place, ab);
+              bb = fma(is_below, place, bb);
+            } else {
+              above_cnt += is_above;
+              if (!(out > F(0)) && index(u, q) < n) consider(static_cast<double>(v * sign_c));
             }
           }
         acc.above_sum += static_cast<double>(above_part);
         acc.below_sum += static_cast<double>(below_part);
-        above_n += static_cast<unsigned>(above_cnt);
-        unsigned in_bits = static_cast<unsigned>(low_bits) | (static_cast<unsigned>(high_bits) << 16);
+        unsigned in_bits = 0;
+        if (kGather) {
+          constexpr unsigned kTileBits = U * V == 32 ? ~0u : (1u << (U * V)) - 1u;
+          const unsigned above_bits = static_cast<unsigned>(above_lo) | (static_cast<unsigned>(above_hi) << 16);
+          const unsigned below_bits = static_cast<unsigned>(below_lo) | (static_cast<unsigned>(below_hi) << 16);
+          above_n += __popc(above_bits);
+          in_bits = ~(above_bits | below_bits) & kTileBits;
+        } else {
+          above_n += static_cast<unsigned>(above_cnt);
+        }
         if (poison != F(0)) {
 #pragma unroll
           for (int u = 0; u < U; ++u)
@@ -983,7 +997,11 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     const int64_t tiles = (n + tile - 1) / tile;
     constexpr int64_t kTilesPerBlock = 8 / kLevelUnroll;  // ~16K fp32 scores per block
     int64_t chunks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
-    chunks = chunks < 1 ? 1 : (chunks > kMaxChunks ? kMaxChunks : chunks);
+    // At most one wave of level blocks (two per SM) over the rows: a block streams its tiles
+    // in a grid-stride loop, so more blocks only add waves, partials for the scan to fold,
+    // and a wave of launches to each level that a finished row skips.
+    const int64_t wave = std::max<int64_t>(1, 2 * static_cast<int64_t>(sm_count()) / rows);
+    chunks = std::max<int64_t>(1, std::min({chunks, kMaxChunks, wave}));
     const int64_t per_block = (tiles + chunks - 1) / chunks * tile;
     // Middle slice per block: 4x the widest first bracket's expected share (q = 1/2).
     int64_t cap = 0;
