@@ -374,13 +374,14 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
     }
     uint32_t pos, agg;
     BlockScan(scan[par]).ExclusiveSum(static_cast<uint32_t>(__popc(bits)), pos, agg);
-    if (bits != 0) {
-      pos += base;
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int e = 0; e < V; ++e)
-          if ((bits >> (u * V + e)) & 1u) sink(pos++, float_key(score(cur, u, e)) ^ flip, i0 + u * kBlock * V + e);
+    // Only the set bits: a test per score here cost the pass as much as the scores' own
+    // compares (every warp has a thread with a hit). The rare hits re-read their score, an
+    // L1 hit, since a register can only be picked by a constant index.
+    pos += base;
+    for (uint32_t b = bits; b != 0; b &= b - 1, ++pos) {
+      const int k = __ffs(b) - 1;
+      const uint32_t i = i0 + (k / V) * kBlock * V + k % V;
+      sink(pos, float_key(to_float(xr[i])) ^ flip, i);
     }
     base += agg;
     par ^= 1;
