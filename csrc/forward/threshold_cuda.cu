@@ -271,11 +271,6 @@ propose_kernel(const double* __restrict__ k_in, const double* __restrict__ t_in,
   using KT = KeyTraits<scalar_t>;
   using Key = typename KT::Key;
   using Scan = cub::BlockScan<unsigned, kProposeThreads>;
-  // The keys under either end's first digit, kept by the first pass over the sample so that
-  // the later digits read them from here (when they fit) instead of the whole sample again.
-  constexpr int kKept = 16384 / sizeof(Key);
-  __shared__ Key s_kept[kKept];
-  __shared__ unsigned s_kept_n;
   __shared__ unsigned hist[2][kBins];
   __shared__ typename Scan::TempStorage scan;
   __shared__ uint64_t s_prefix[2];
@@ -311,28 +306,13 @@ propose_kernel(const double* __restrict__ k_in, const double* __restrict__ t_in,
           for (int j = threadIdx.x; j < kBins; j += blockDim.x) hist[0][j] = hist[1][j] = sample_hist[r * kBins + j];
           __syncthreads();
         } else {
-          const bool from_kept = level > 1 && s_kept_n <= static_cast<unsigned>(kKept);  // uniform
-          __syncthreads();  // every thread has read s_kept_n
           for (int j = threadIdx.x; j < 2 * kBins; j += blockDim.x) hist[j / kBins][j % kBins] = 0;
-          if (level == 1 && threadIdx.x == 0) s_kept_n = 0;
           __syncthreads();
           const Key p0 = static_cast<Key>(s_prefix[0]), p1 = static_cast<Key>(s_prefix[1]);
           const bool want0 = s_rank[0] >= 0 && s_rank[0] < g.count, want1 = s_rank[1] >= 0 && s_rank[1] < g.count;
-          const auto count = [&](Key key) {  // in the key's width: 64-bit shifts cost fp32 rows twice
-            const int digit = static_cast<int>((key >> shift) & ((Key(1) << bits) - 1));
-            const Key top = key >> (KT::kBits - done);  // done >= kDigitBits here
-            const bool m0 = want0 && top == p0, m1 = want1 && top == p1;
-            if (m0) atomicAdd(&hist[0][digit], 1u);
-            if (m1) atomicAdd(&hist[1][digit], 1u);
-            if (level == 1 && (m0 || m1)) {
-              const unsigned slot = atomicAdd(&s_kept_n, 1u);  // any order: only counted
-              if (slot < static_cast<unsigned>(kKept)) s_kept[slot] = key;
-            }
-          };
           // The kept keys, 16 bytes per load, kBatch loads in flight per thread.
           constexpr int kPer = 16 / sizeof(Key), kBatch = 4;
-          const int64_t vecs = from_kept ? 0 : (g.count + kPer - 1) / kPer;
-          for (unsigned j = threadIdx.x; from_kept && j < s_kept_n; j += blockDim.x) count(s_kept[j]);
+          const int64_t vecs = (g.count + kPer - 1) / kPer;
           for (int64_t base = threadIdx.x; base < vecs; base += int64_t(kBatch) * blockDim.x) {
             uint4 raw[kBatch];
 #pragma unroll
@@ -347,8 +327,14 @@ propose_kernel(const double* __restrict__ k_in, const double* __restrict__ t_in,
               Key kq[kPer];
               memcpy(kq, &raw[b], 16);
 #pragma unroll
-              for (int e = 0; e < kPer; ++e)
-                if (v * kPer + e < g.count) count(kq[e]);
+              for (int e = 0; e < kPer; ++e) {
+                if (v * kPer + e >= g.count) continue;
+                const Key key = kq[e];  // in the key's width: 64-bit shifts cost fp32 rows twice
+                const int digit = static_cast<int>((key >> shift) & ((Key(1) << bits) - 1));
+                const Key top = key >> (KT::kBits - done);  // done >= kDigitBits here
+                if (want0 && top == p0) atomicAdd(&hist[0][digit], 1u);
+                if (want1 && top == p1) atomicAdd(&hist[1][digit], 1u);
+              }
             }
           }
           __syncthreads();
