@@ -91,6 +91,19 @@ def test_soft_matches_cpu(dtype, largest):
         assert hg.double().sum(1).cpu().tolist() == kh.tolist()
 
 
+@pytest.mark.parametrize("n", [1000, 4096])  # the on-chip sort solver's two shapes
+def test_subnormal_temperature_matches_cpu(n):
+    # fp64 scores and t in the subnormal range: 1/t overflows (inv_temperature caps it), so the
+    # on-chip solver must scale the differences, not multiply them by the capped reciprocal
+    x = torch.randn(4, n, generator=gen(7), dtype=F64) * 1e-308
+    k = torch.tensor([1.0, n / 16, n / 2 + 0.5, n - 3.0], dtype=F64)
+    t = torch.tensor([1e-310, 3e-309, 1e-312, 2e-308], dtype=F64)
+    bc = fastlapsum.lapsum_threshold(x, k, t)
+    bg = fastlapsum.lapsum_threshold(x.cuda(), k.cuda(), t.cuda()).cpu()
+    torch.testing.assert_close(bg, bc, rtol=1e-9, atol=1e-9 * float(t.min()))
+    assert budget_error(fastlapsum.soft_topk(x.cuda(), k.cuda(), t.cuda()), k.cuda()) <= BUDGET_TOL[F64]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nan_rows_match_cpu(dtype):
     x = adversarial_rows(512, seed=3)

@@ -342,6 +342,12 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
   static_assert(U * V <= 32, "one bit per score of a thread's tile");
   const int64_t nv = (L + V - 1) / V, step = int64_t(kBlock) * U;
   const auto load_tile = [&](int4(&raw)[U], int64_t v0) {
+    if (aligned && (v0 + step) * V <= L) {  // a whole aligned tile (uniform): no per-vector checks
+      const int4* p = reinterpret_cast<const int4*>(xr) + v0 + threadIdx.x;
+#pragma unroll
+      for (int u = 0; u < U; ++u) raw[u] = __ldg(p + u * kBlock);
+      return;
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t v = v0 + u * kBlock + threadIdx.x;
