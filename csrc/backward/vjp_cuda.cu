@@ -26,28 +26,30 @@ struct SumOp {
   }
 };
 
-// The VJP terms of one element of an fp32/fp16/bf16 row, in fp32 (fp64 rows use vjp_term):
-// d = s - b with b split into two floats (s - b.hi is exact for the scores within a factor
-// 2 of b, the ones that carry weight when |b| >> t), one MUFU exponential. An infinite or
-// NaN d (an infinite score or threshold) gives zero terms, as in vjp_term.
-struct SplitB {
-  float hi, lo;
-};
-__device__ inline SplitB split_b(double b) {
-  const float hi = static_cast<float>(b);
-  return SplitB{hi, static_cast<float>(b - static_cast<double>(hi))};
-}
+// The VJP terms of the elements of one fp32/fp16/bf16 row, in fp32 (fp64 rows use
+// vjp_term): d = s - b with b split into two floats (s - b_hi is exact for the scores within
+// a factor 2 of b, the ones that carry weight when |b| >> t), one MUFU exponential. An
+// infinite or NaN d (an infinite score or threshold) gives zero terms, as in vjp_term.
 struct VjpTermF {
   float tw, G, d;
 };
-__device__ __forceinline__ VjpTermF vjp_term_f(float s, SplitB b, const ScaledExp<float>& ex, float g,
-                                               bool log_mode) {
-  const float d = (s - b.hi) - b.lo;
-  if (!(fabsf(d) <= 3.4028234663852886e38f)) return VjpTermF{0.0f, 0.0f, 0.0f};
-  const float e = ex(fabsf(d)), tw = 0.5f * e;
-  const float G = !log_mode ? g * tw : (d <= 0.0f ? g : g * e / (2.0f - e));
-  return VjpTermF{tw, G, d};
-}
+struct VjpTermsF32 {
+  float sign, b_hi, b_lo;
+  ScaledExp<float> ex;
+  __device__ VjpTermsF32(double sign_d, double b, double inv_t)
+      : sign(static_cast<float>(sign_d)),
+        b_hi(static_cast<float>(b)),
+        b_lo(static_cast<float>(b - static_cast<double>(b_hi))),
+        ex(inv_t) {}
+  // x: the element as stored (the row's sign not yet applied), g: its upstream gradient
+  __device__ __forceinline__ VjpTermF operator()(float x, float g, bool log_mode) const {
+    const float d = (sign * x - b_hi) - b_lo;
+    if (!(fabsf(d) <= 3.4028234663852886e38f)) return VjpTermF{0.0f, 0.0f, 0.0f};
+    const float e = ex(fabsf(d)), tw = 0.5f * e;
+    const float G = !log_mode ? g * tw : (d <= 0.0f ? g : g * e / (2.0f - e));
+    return VjpTermF{tw, G, d};
+  }
+};
 
 // the threshold VJP has no upstream tensor (grad == nullptr)
 template <typename scalar_t>
@@ -69,15 +71,13 @@ __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scala
           if (q < valid) acc.add(vjp_term(sign * xv[q], br, inv_t, gv[q], log_mode, ExpF64{}));
       });
     } else {  // fp32 terms, summed per vector in fp32, then in fp64
-      const SplitB bs = split_b(br);
-      const ScaledExp<float> ex(inv_t);
-      const float sign_f = static_cast<float>(sign);
+      const VjpTermsF32 term(sign, br, inv_t);
       stream_row<scalar_t, float>(x + r * n, gr, n, [&](const float(&xv)[V], const float(&gv)[V], int valid, int64_t) {
         float tw = 0.0f, G = 0.0f, twd = 0.0f, Gd = 0.0f;
 #pragma unroll
         for (int q = 0; q < V; ++q)
           if (q < valid) {
-            const VjpTermF e = vjp_term_f(sign_f * xv[q], bs, ex, gv[q], log_mode);
+            const VjpTermF e = term(xv[q], gv[q], log_mode);
             tw += e.tw;
             G += e.G;
             twd += e.tw * e.d;
@@ -158,15 +158,13 @@ __global__ void vjp_apply_kernel(const scalar_t* __restrict__ grad, const double
         store_vec<scalar_t, V>(out, n, i0, aligned && valid == V, o);
       });
     } else {  // fp32 terms; the row's coefficients can exceed fp32 (1/W), so they combine in fp64
-      const SplitB bs = split_b(br);
-      const ScaledExp<float> ex(inv_t);
-      const float sign_f = static_cast<float>(sign);
+      const VjpTermsF32 term(sign, br, inv_t);
       const double kg = sign * cg * cs, kr = sign * cr * cs;
       stream_row<scalar_t, float>(x + r * n, gr, n, [&](const float(&xv)[V], const float(&gv)[V], int valid, int64_t i0) {
         double o[V];
 #pragma unroll
         for (int q = 0; q < V; ++q) {
-          const VjpTermF e = vjp_term_f(sign_f * xv[q], bs, ex, gv[q], log_mode);
+          const VjpTermF e = term(xv[q], gv[q], log_mode);
           o[q] = nan ? NAN : static_cast<double>(e.G) * kg - static_cast<double>(e.tw) * kr;
         }
         store_vec<scalar_t, V>(out, n, i0, aligned && valid == V, o);

@@ -328,9 +328,9 @@ __device__ __forceinline__ float key_bound(uint32_t key) {
 // compacted items is a fixed function of the input). pred(score, i) selects (on the fp32
 // score: a key per score would cost the pass its ALU-pipe budget); sink(pos, key, i)
 // receives the selected items at consecutive positions. Returns the count.
-// This is the row kernel's one full pass, so it is lean: each score is keyed and tested
-// once (a bit per score), indices are 32-bit (rows are < 2^32 scores), only threads with
-// a hit revisit their scores, and the next tile's loads are issued before a tile is
+// This is the row kernel's one full pass, so it is lean: each score is tested once, on its
+// fp32 value (a bit per score), indices are 32-bit (rows are < 2^32 scores), only threads
+// with a hit revisit their scores, and the next tile's loads are issued before a tile is
 // tested, so that they are in flight across its scan's barriers (a CTA's loads would
 // otherwise come in bursts, one tile at a time). One barrier per tile, the scan's: tiles
 // alternate between two scan storages, and a storage is written again only after the
