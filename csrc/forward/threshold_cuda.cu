@@ -140,6 +140,27 @@ struct FlatMerge {
     return FlatAtom{a.count + b.count, a.u + b.u, a.l + b.l, fmin(a.lo, b.lo), fmax(a.hi, b.hi)};
   }
 };
+// What the flat scans carry past a group: below it, the l sum and the highest nonempty bin;
+// above it, the count, the u sum and the lowest nonempty bin (-1 / kBins: none). The edges
+// follow from bin indices, so the scans move two or three words, not five with min/max.
+struct FlatBelow {
+  double l;
+  int top;
+};
+struct FlatAbove {
+  double count, u;
+  int bottom;
+};
+struct FlatBelowMerge {
+  __device__ FlatBelow operator()(const FlatBelow& a, const FlatBelow& b) const {
+    return FlatBelow{a.l + b.l, a.top > b.top ? a.top : b.top};
+  }
+};
+struct FlatAboveMerge {
+  __device__ FlatAbove operator()(const FlatAbove& a, const FlatAbove& b) const {
+    return FlatAbove{a.count + b.count, a.u + b.u, a.bottom < b.bottom ? a.bottom : b.bottom};
+  }
+};
 struct FlatFrame {
   double a_lo, a_hi, inv_t;
   // Psi at g in [a_lo, a_hi]: C scores above g with sum u, the scores below with sum l.
@@ -638,17 +659,19 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
   using Key = typename KT::Key;
   using Fold = cub::BlockReduce<LevelPartial, kScanThreads>;
   using AtomScan = cub::BlockScan<Atom, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;  // raking would need 40 KB
-  using FlatScan = cub::BlockScan<FlatAtom, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  using BelowScan = cub::BlockScan<FlatBelow, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  using AboveScan = cub::BlockScan<FlatAbove, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   using MinIndex = cub::BlockReduce<int, kScanThreads>;
   __shared__ union {
     typename Fold::TempStorage fold;
     typename AtomScan::TempStorage scan;
-    typename FlatScan::TempStorage flat;
+    typename BelowScan::TempStorage below;
+    typename AboveScan::TempStorage above;
     typename MinIndex::TempStorage min;
   } tmp;
   __shared__ union {
     Atom atom[kScanThreads];
-    FlatAtom flat[kScanThreads];
+    FlatAbove flat[kScanThreads];
   } s_group, s_above;
   __shared__ LevelPartial s_total;
   __shared__ double s_gap_lo, s_gap_hi, s_psi_top, s_psi_bottom;
@@ -719,17 +742,31 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
         const FlatAtom below_tail{0.0, 0.0, below.sum * drop, INFINITY, -INFINITY};
         // The same scan as the atom path below, with sums in place of merges.
         const int j = static_cast<int>(threadIdx.x), base = kScanBins * j;
+        const auto edge_lo = [&](int bin) { return KT::value(Key(bin_keys(lo, hi, shift, bin).first)); };
+        const auto edge_hi = [&](int bin) { return KT::value(Key(bin_keys(lo, hi, shift, bin).last)); };
         FlatAtom group = none;
-        for (int q = 0; q < kScanBins; ++q) group = FlatMerge{}(group, flat_bin<KT>(h[base + q], lo, hi, shift, base + q, f));
-        s_group.flat[j] = group;
-        FlatAtom below_g, above_r;
-        FlatScan(tmp.flat).ExclusiveScan(group, below_g, below_tail, FlatMerge{});
-        __syncthreads();  // s_group; tmp.flat reused
-        FlatScan(tmp.flat).ExclusiveScan(s_group.flat[kScanThreads - 1 - j], above_r, above_tail, FlatMerge{});
+        int top_bin = -1, bottom_bin = kBins;  // the group's highest / lowest nonempty bin
+        for (int q = 0; q < kScanBins; ++q) {
+          const FlatAtom a = flat_bin<KT>(h[base + q], lo, hi, shift, base + q, f);
+          group = FlatMerge{}(group, a);
+          if (a.count > 0.0) {
+            top_bin = base + q;
+            bottom_bin = bottom_bin < kBins ? bottom_bin : base + q;
+          }
+        }
+        s_group.flat[j] = FlatAbove{group.count, group.u, bottom_bin};
+        FlatBelow below_g;
+        FlatAbove above_r;
+        BelowScan(tmp.below).ExclusiveScan(FlatBelow{group.l, top_bin}, below_g, FlatBelow{below_tail.l, -1},
+                                           FlatBelowMerge{});
+        __syncthreads();  // s_group; tmp reused
+        AboveScan(tmp.above).ExclusiveScan(s_group.flat[kScanThreads - 1 - j], above_r,
+                                           FlatAbove{above.count, above_tail.u, kBins}, FlatAboveMerge{});
         s_above.flat[kScanThreads - 1 - j] = above_r;
         if (j == kScanThreads - 1) s_psi_top = f.psi(above.count, above.sum * drop, below_g.l + group.l, a_hi);
-        __syncthreads();  // s_above; tmp.flat -> tmp.min
-        const FlatAtom above_g = s_above.flat[j];
+        __syncthreads();  // s_above; tmp -> tmp.min
+        const FlatAbove above_g = s_above.flat[j];
+        const double above_lo = above_g.bottom < kBins ? edge_lo(above_g.bottom) : INFINITY;
         const bool holds = group.count > 0.0 &&
                            f.psi(above_g.count + group.count, above_g.u + group.u, below_g.l, group.lo) >= k;
         const int low = MinIndex(tmp.min).Reduce(holds ? kScanThreads - 1 - j : kScanThreads, MinInt{});
@@ -737,7 +774,7 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
           s_owner = kScanThreads - 1 - low;  // -1: the root lies below every bin
           s_inside = kBins;
           s_gap_lo = below.ref;
-          s_gap_hi = fmin(fmin(above_g.lo, group.lo), a_hi);
+          s_gap_hi = fmin(fmin(above_lo, group.lo), a_hi);
           s_psi_bottom = f.psi(above_g.count + group.count, above_g.u + group.u, below_tail.l, a_lo);
         }
         __syncthreads();
@@ -754,7 +791,7 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
             below_l[q] = run_l;
             run_l += a[q].l;
           }
-          double C = above_g.count, u = above_g.u, top = above_g.lo;  // the atoms above bin q
+          double C = above_g.count, u = above_g.u, top = above_lo;  // the atoms above bin q
           int hit = -1;
           bool gap_hit = false;
           double hit_lo = 0.0, hit_hi = 0.0;  // the gap above the hit bin
@@ -773,7 +810,7 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
             u += a[q].u;
             top = fmin(top, a[q].lo);
           }
-          s_gap_lo = below_g.count > 0.0 ? below_g.hi : below.ref;
+          s_gap_lo = below_g.top >= 0 ? edge_hi(below_g.top) : below.ref;
           s_gap_hi = group.lo;
           if (hit >= 0 && gap_hit) {
             s_gap_lo = hit_lo;
