@@ -57,6 +57,7 @@ __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scala
                                   const double* __restrict__ b, const double* __restrict__ t,
                                   VjpSums* __restrict__ partial, int64_t rows, int64_t n,
                                   double sign, bool log_mode) {
+  begin_dependent_grid();
   constexpr int V = vec_width<scalar_t>();
   using Reduce = cub::BlockReduce<VjpSums, kThreads>;
   __shared__ typename Reduce::TempStorage tmp;
@@ -117,6 +118,7 @@ __global__ void vjp_apply_kernel(const scalar_t* __restrict__ grad, const double
                                  const double* __restrict__ t, const VjpSums* __restrict__ partial,
                                  scalar_t* __restrict__ gx, double* __restrict__ gk, double* __restrict__ gt,
                                  int64_t rows, int64_t n, double sign, bool log_mode) {
+  begin_dependent_grid();
   constexpr int V = vec_width<scalar_t>();
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const double br = sign * b[r], tr = t[r], inv_t = inv_temperature(tr);
@@ -195,15 +197,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cuda(
   const cudaStream_t stream = current_stream();
   auto* partial = reinterpret_cast<VjpSums*>(ws.mutable_data_ptr());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.x.scalar_type(), "soft_topk_backward_cuda", [&] {
-    vjp_reduce_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+    launch_dependent(vjp_reduce_kernel<scalar_t>, grid, kThreads, 0, stream,
         g.const_data_ptr<scalar_t>(), w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
         w.t.const_data_ptr<double>(), partial, rows, n, sign, log_mode);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    vjp_apply_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+    launch_dependent(vjp_apply_kernel<scalar_t>, grid, kThreads, 0, stream,
         g.const_data_ptr<scalar_t>(), nullptr, w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
         w.t.const_data_ptr<double>(), partial, w.gx.mutable_data_ptr<scalar_t>(),
         w.gk.mutable_data_ptr<double>(), w.gt.mutable_data_ptr<double>(), rows, n, sign, log_mode);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {w.gx, w.gk, w.gt};
 }
@@ -223,15 +223,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cuda(
   const cudaStream_t stream = current_stream();
   auto* partial = reinterpret_cast<VjpSums*>(ws.mutable_data_ptr());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.x.scalar_type(), "threshold_backward_cuda", [&] {
-    vjp_reduce_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+    launch_dependent(vjp_reduce_kernel<scalar_t>, grid, kThreads, 0, stream,
         nullptr, w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
         w.t.const_data_ptr<double>(), partial, rows, n, sign, false);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    vjp_apply_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+    launch_dependent(vjp_apply_kernel<scalar_t>, grid, kThreads, 0, stream,
         nullptr, gb.const_data_ptr<double>(), w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
         w.t.const_data_ptr<double>(), partial, w.gx.mutable_data_ptr<scalar_t>(),
         w.gk.mutable_data_ptr<double>(), w.gt.mutable_data_ptr<double>(), rows, n, sign, false);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {w.gx, w.gk, w.gt};
 }

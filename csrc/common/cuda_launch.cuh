@@ -7,6 +7,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <utility>
+
 namespace fastlapsum {
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
@@ -18,6 +20,50 @@ inline int sm_count() {
   const int dev = c10::cuda::current_device();
   if (cached[dev] == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&cached[dev], cudaDevAttrMultiProcessorCount, dev));
   return cached[dev];
+}
+
+// Programmatic dependent launch (Hopper and later). A kernel launched by launch_dependent may
+// be scheduled while the kernel before it in the stream is still running, so its blocks are
+// resident when that one ends instead of a launch later; in a chain of short kernels (the
+// solver's ~17 launches) that latency is most of the gap between them. Such a kernel must
+// start with begin_dependent_grid(): it waits until the previous grid has finished and its
+// writes are visible (a no-op when the launch was not dependent), then lets the next one
+// be scheduled. Every kernel waits for its predecessor, so completion stays transitive.
+__device__ __forceinline__ void begin_dependent_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether the current device takes dependent launches (compute capability 9.0 or later).
+inline bool dependent_launch_supported() {
+  static int cached[256] = {};  // 0: unknown, 1: no, 2: yes
+  const int dev = c10::cuda::current_device();
+  if (cached[dev] == 0) {
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    cached[dev] = major >= 9 ? 2 : 1;
+  }
+  return cached[dev] == 2;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) as a dependent launch (see above); the
+// kernel must begin with begin_dependent_grid().
+template <typename... Params, typename... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                      Args&&... args) {
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = dependent_launch_supported() ? 1 : 0;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 constexpr int kThreads = 256;

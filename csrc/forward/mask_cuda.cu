@@ -15,6 +15,7 @@ template <typename scalar_t, bool kLog>
 __global__ void lapsum_mask_kernel(const scalar_t* __restrict__ x, const double* __restrict__ b,
                                    const double* __restrict__ t, const double* __restrict__ edge,
                                    scalar_t* __restrict__ p, int64_t rows, int64_t n, double sign) {
+  begin_dependent_grid();
   constexpr int V = vec_width<scalar_t>();
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const double br = sign * b[r], tr = t[r], inv_t = inv_temperature(tr), er = edge[r];
@@ -47,14 +48,10 @@ at::Tensor lapsum_mask_cuda(const at::Tensor& x_in, const at::Tensor& b_in, cons
   const double sign = largest ? 1.0 : -1.0;
   const cudaStream_t stream = current_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "lapsum_mask_cuda", [&] {
-    const auto args = std::make_tuple(x.const_data_ptr<scalar_t>(), b.const_data_ptr<double>(),
-                                      t.const_data_ptr<double>(), edge.const_data_ptr<double>(),
-                                      p.mutable_data_ptr<scalar_t>(), rows, n, sign);
-    if (log_mode)
-      std::apply([&](auto... a) { lapsum_mask_kernel<scalar_t, true><<<grid, kThreads, 0, stream>>>(a...); }, args);
-    else
-      std::apply([&](auto... a) { lapsum_mask_kernel<scalar_t, false><<<grid, kThreads, 0, stream>>>(a...); }, args);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const auto kernel = log_mode ? lapsum_mask_kernel<scalar_t, true> : lapsum_mask_kernel<scalar_t, false>;
+    launch_dependent(kernel, grid, kThreads, 0, stream, x.const_data_ptr<scalar_t>(), b.const_data_ptr<double>(),
+                     t.const_data_ptr<double>(), edge.const_data_ptr<double>(), p.mutable_data_ptr<scalar_t>(), rows,
+                     n, sign);
   });
   return p;
 }

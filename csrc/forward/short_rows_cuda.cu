@@ -357,6 +357,7 @@ __global__ void __launch_bounds__(kShortThreads)
 short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, const double* __restrict__ t_in,
                   double* __restrict__ b_out, double* __restrict__ edge_out, int64_t* __restrict__ diag,
                   scalar_t* __restrict__ p_out, bool log_mode, int64_t n, double sign) {
+  begin_dependent_grid();
   using SK = SortKey<scalar_t>;
   using Key = typename SK::Key;
   using Sort = cub::BlockRadixSort<Key, kShortThreads, kItems, cub::NullType, kSortRadixBits>;
@@ -439,11 +440,10 @@ void solve_short_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::T
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "solve_short_rows_cuda", [&] {
     scalar_t* pp = p != nullptr ? p->mutable_data_ptr<scalar_t>() : nullptr;
     const auto launch = [&](auto kernel) {
-      kernel<<<static_cast<unsigned>(rows), kShortThreads, 0, stream>>>(
+      launch_dependent(kernel, static_cast<unsigned>(rows), kShortThreads, 0, stream,
           x.const_data_ptr<scalar_t>(), k.const_data_ptr<double>(), t.const_data_ptr<double>(),
           b.mutable_data_ptr<double>(), edge.mutable_data_ptr<double>(), diag.mutable_data_ptr<int64_t>(), pp,
           log_mode, n, sign);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     // The fewest items per thread that hold the row: padding costs every sort pass.
     if (n <= kShortThreads * 2) launch(short_rows_kernel<scalar_t, 2>);

@@ -247,6 +247,7 @@ __global__ void __launch_bounds__(kSampleThreads)
 sample_kernel(const scalar_t* __restrict__ x, const double* __restrict__ t_in,
               typename KeyTraits<scalar_t>::Key* __restrict__ sample_keys, int64_t sample_cap,
               unsigned* __restrict__ sample_hist, int64_t rows, int64_t n, double sign) {
+  begin_dependent_grid();
   using KT = KeyTraits<scalar_t>;
   using Key = typename KT::Key;
   constexpr int kBatch = 4;  // independent gathers in flight per thread
@@ -289,6 +290,7 @@ __global__ void __launch_bounds__(kProposeThreads)
 propose_kernel(const double* __restrict__ k_in, const double* __restrict__ t_in, RowState* __restrict__ state,
                const typename KeyTraits<scalar_t>::Key* __restrict__ sample_keys, int64_t sample_cap,
                const unsigned* __restrict__ sample_hist, int64_t rows, int64_t n, bool sort) {
+  begin_dependent_grid();
   using KT = KeyTraits<scalar_t>;
   using Key = typename KT::Key;
   using Scan = cub::BlockScan<unsigned, kProposeThreads>;
@@ -395,6 +397,7 @@ __global__ void __launch_bounds__(kLevelThreads, 2)
 level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state, double* __restrict__ middle,
              unsigned* __restrict__ slice_count, int64_t cap, BinSums* __restrict__ hist,
              LevelPartial* __restrict__ partial, int64_t rows, int64_t n, double sign) {
+  begin_dependent_grid();
   using KT = KeyTraits<scalar_t>;
   using Key = typename KT::Key;
   using F = compute_t<scalar_t>;
@@ -655,6 +658,7 @@ __global__ void __launch_bounds__(kScanThreads)
 scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const LevelPartial* __restrict__ partial,
             int chunks, const double* __restrict__ k_in, double* __restrict__ b_out, double* __restrict__ edge_out,
             int64_t* __restrict__ diag, int64_t rows, int64_t n, double sign) {
+  begin_dependent_grid();
   using KT = KeyTraits<scalar_t>;
   using Key = typename KT::Key;
   using Fold = cub::BlockReduce<LevelPartial, kScanThreads>;
@@ -933,6 +937,7 @@ __global__ void __launch_bounds__(kLevelThreads)
 sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state, const double* __restrict__ middle,
              const unsigned* __restrict__ slice_count, int64_t cap, int chunks, GapSides* __restrict__ partial,
              int64_t rows, int64_t n, double sign) {
+  begin_dependent_grid();
   constexpr int V = vec_width<scalar_t>();
   __shared__ GapSides scratch[kLevelThreads / 32];
   __shared__ unsigned s_count[kMaxSidesSlices];
@@ -990,6 +995,7 @@ __global__ void __launch_bounds__(kSolveThreads)
 solve_kernel(RowState* __restrict__ state, const GapSides* __restrict__ partial, int parts,
              double* __restrict__ b_out, double* __restrict__ edge_out, int64_t* __restrict__ diag, int64_t rows,
              double sign) {
+  begin_dependent_grid();
   __shared__ GapSides scratch[kSolveThreads / 32];
   const Atom none{0, 0, 0, 0, 0};
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -1076,31 +1082,28 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
       const int64_t per_sample_block = int64_t(kSampleThreads) * 4;
       const int64_t sample_blocks =
           std::min<int64_t>(kMaxSampleBlocks, (sample_cap + per_sample_block - 1) / per_sample_block);
-      sample_kernel<scalar_t><<<dim3(static_cast<unsigned>(sample_blocks), row_blocks), kSampleThreads, 0, stream>>>(
-          xp, t.const_data_ptr<double>(), keys, sample_cap, sh, rows, n, sign);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_dependent(sample_kernel<scalar_t>, dim3(static_cast<unsigned>(sample_blocks), row_blocks),
+                       kSampleThreads, 0, stream, xp, t.const_data_ptr<double>(), keys, sample_cap, sh, rows, n,
+                       sign);
     }
-    propose_kernel<scalar_t><<<row_blocks, kProposeThreads, 0, stream>>>(
-        k.const_data_ptr<double>(), t.const_data_ptr<double>(), st, keys, sample_cap, sh, rows, n, sort);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_dependent(propose_kernel<scalar_t>, row_blocks, kProposeThreads, 0, stream, k.const_data_ptr<double>(),
+                     t.const_data_ptr<double>(), st, keys, sample_cap, sh, rows, n, sort);
     // The first level certifies (a bracketed row: two levels, gather then bin); a row sent to
     // the fallback then needs a level per digit.
     const int levels = 2 + digits_for(KeyTraits<scalar_t>::kBits);
+    double* bp = b.mutable_data_ptr<double>();
+    double* ep = edge.mutable_data_ptr<double>();
+    int64_t* dp = diag.mutable_data_ptr<int64_t>();
     for (int level = 0; level < levels; ++level) {
-      level_kernel<scalar_t><<<grid, kLevelThreads, 0, stream>>>(xp, st, mp, cp, cap, hs, lp, rows, n, sign);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      scan_kernel<scalar_t><<<row_blocks, kScanThreads, 0, stream>>>(
-          st, hs, lp, static_cast<int>(chunks), k.const_data_ptr<double>(), b.mutable_data_ptr<double>(),
-          edge.mutable_data_ptr<double>(), diag.mutable_data_ptr<int64_t>(), rows, n, sign);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_dependent(level_kernel<scalar_t>, grid, kLevelThreads, 0, stream, xp, st, mp, cp, cap, hs, lp, rows, n,
+                       sign);
+      launch_dependent(scan_kernel<scalar_t>, row_blocks, kScanThreads, 0, stream, st, hs, lp,
+                       static_cast<int>(chunks), k.const_data_ptr<double>(), bp, ep, dp, rows, n, sign);
     }
-    sides_kernel<scalar_t><<<dim3(static_cast<unsigned>(side_blocks), row_blocks), kLevelThreads, 0, stream>>>(
-        xp, st, mp, cp, cap, static_cast<int>(chunks), sp, rows, n, sign);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    solve_kernel<<<row_blocks, kSolveThreads, 0, stream>>>(st, sp, static_cast<int>(side_blocks), b.mutable_data_ptr<double>(),
-                                                           edge.mutable_data_ptr<double>(),
-                                                           diag.mutable_data_ptr<int64_t>(), rows, sign);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_dependent(sides_kernel<scalar_t>, dim3(static_cast<unsigned>(side_blocks), row_blocks), kLevelThreads, 0,
+                     stream, xp, st, mp, cp, cap, static_cast<int>(chunks), sp, rows, n, sign);
+    launch_dependent(solve_kernel, row_blocks, kSolveThreads, 0, stream, st, sp, static_cast<int>(side_blocks), bp, ep,
+                     dp, rows, sign);
   });
 }
 

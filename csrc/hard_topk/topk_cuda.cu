@@ -402,6 +402,7 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
 
 template <typename T, bool kMask>
 __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
+  begin_dependent_grid();
   extern __shared__ __align__(16) unsigned char dyn_smem[];
   uint32_t* ckey = reinterpret_cast<uint32_t*>(dyn_smem);
   uint32_t* cidx = ckey + P.cap;
@@ -581,6 +582,7 @@ enum Stage : int { kSampleA = 0, kSampleB = 1, kRadix0 = 2 };
 
 template <typename T, bool kMask>
 __global__ void __launch_bounds__(kBlock) g_init(Params P) {
+  begin_dependent_grid();
   const int64_t r = blockIdx.x;
   GState& st = P.st[r];
   for (int i = threadIdx.x; i < kBins; i += kBlock) P.ghist[r * kBins + i] = 0;
@@ -617,6 +619,7 @@ __global__ void __launch_bounds__(kBlock) g_init(Params P) {
 // Histogram passes: sample (stage a/b) or radix pass p over candidates / row.
 template <typename T, bool kMask>
 __global__ void __launch_bounds__(kBlock) g_hist(Params P, int stage) {
+  begin_dependent_grid();
   const int64_t r = blockIdx.y;
   const GState& st = P.st[r];
   if (st.trivial) return;
@@ -673,6 +676,7 @@ __global__ void __launch_bounds__(kBlock) g_hist(Params P, int stage) {
 
 template <bool kMask>
 __global__ void __launch_bounds__(kBlock) g_scan(Params P, int stage) {
+  begin_dependent_grid();
   const int64_t r = blockIdx.x;
   GState& st = P.st[r];
   if (st.trivial) return;
@@ -739,6 +743,7 @@ __device__ __forceinline__ void flush_stage(uint64_t* buf, StageShared& ss, unsi
 // collect: composites with key >= thr into the candidate buffer + first-digit histogram.
 template <typename T, bool kMask>
 __global__ void __launch_bounds__(kBlock) g_collect(Params P) {
+  begin_dependent_grid();
   extern __shared__ __align__(16) unsigned char dyn_smem[];
   uint64_t* buf = reinterpret_cast<uint64_t*>(dyn_smem);
   __shared__ uint32_t hist[kBins];
@@ -778,6 +783,7 @@ __global__ void __launch_bounds__(kBlock) g_collect(Params P) {
 }
 
 __global__ void __launch_bounds__(kBlock) g_decide(Params P) {
+  begin_dependent_grid();
   const int64_t r = blockIdx.x;
   GState& st = P.st[r];
   if (st.trivial) return;
@@ -790,6 +796,7 @@ __global__ void __launch_bounds__(kBlock) g_decide(Params P) {
 
 template <typename T, bool kMask>
 __global__ void __launch_bounds__(kBlock) g_output(Params P) {
+  begin_dependent_grid();
   extern __shared__ __align__(16) unsigned char dyn_smem[];
   uint64_t* buf = reinterpret_cast<uint64_t*>(dyn_smem);
   __shared__ StageShared ss;
@@ -908,26 +915,18 @@ void launch(Params P, int64_t rows, const at::Tensor& x) {
     const int stage_bytes = kStageItems * 8;
     set_max_dynamic_smem(g_collect<T, kMask>, stage_bytes, x.get_device());
     set_max_dynamic_smem(g_output<T, kMask>, stage_bytes, x.get_device());
-    g_init<T, kMask><<<rows, kBlock, 0, stream>>>(P);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_dependent(g_init<T, kMask>, rows, kBlock, 0, stream, P);
     for (int stage = kSampleA; stage <= kSampleB; ++stage) {
-      g_hist<T, kMask><<<grid, kBlock, 0, stream>>>(P, stage);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      g_scan<kMask><<<rows, kBlock, 0, stream>>>(P, stage);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_dependent(g_hist<T, kMask>, grid, kBlock, 0, stream, P, stage);
+      launch_dependent(g_scan<kMask>, rows, kBlock, 0, stream, P, stage);
     }
-    g_collect<T, kMask><<<grid, kBlock, stage_bytes, stream>>>(P);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    g_decide<<<rows, kBlock, 0, stream>>>(P);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_dependent(g_collect<T, kMask>, grid, kBlock, stage_bytes, stream, P);
+    launch_dependent(g_decide, rows, kBlock, 0, stream, P);
     for (int p = 0; p < 6; ++p) {
-      g_hist<T, kMask><<<grid, kBlock, 0, stream>>>(P, kRadix0 + p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      g_scan<kMask><<<rows, kBlock, 0, stream>>>(P, kRadix0 + p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_dependent(g_hist<T, kMask>, grid, kBlock, 0, stream, P, kRadix0 + p);
+      launch_dependent(g_scan<kMask>, rows, kBlock, 0, stream, P, kRadix0 + p);
     }
-    g_output<T, kMask><<<grid, kBlock, stage_bytes, stream>>>(P);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_dependent(g_output<T, kMask>, grid, kBlock, stage_bytes, stream, P);
     return;
   }
   int64_t cap = kMask ? 8192 : ((4 * P.K + 255) / 256) * 256;
@@ -936,8 +935,7 @@ void launch(Params P, int64_t rows, const at::Tensor& x) {
   const int smem = static_cast<int>(cap * 8);
   set_max_dynamic_smem(row_select_kernel<T, kMask>, smem, x.get_device());
   TORCH_CHECK(rows <= 2147483647LL, "fastlapsum.topk: too many rows for the CUDA kernel");
-  row_select_kernel<T, kMask><<<static_cast<unsigned>(rows), kBlock, smem, stream>>>(P);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_dependent(row_select_kernel<T, kMask>, static_cast<unsigned>(rows), kBlock, smem, stream, P);
 }
 
 // fp64: exact, composed of ATen ops. Signed int64 keys with the order of the doubles
