@@ -176,6 +176,29 @@ def test_topk_large_shapes(shape, k):
     torch.testing.assert_close(vs, torch.topk(x, k).values, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("largest", [True, False])
+def test_bracket_on_long_rows(largest):
+    """Rows of 3M scores (a sample of n^(2/3) ~ 21K keys): the bracket's thresholds equal the
+    radix bracket's, the Gaussian row certifies on its first attempt with a small middle
+    set, ties and |b| >> t rows stay exact."""
+    n = 3_000_000
+    g = gen(31)
+    x = torch.stack([torch.randn(n, generator=g), torch.randint(0, 5, (n,), generator=g).float(),
+                     1e4 + 1e-2 * torch.randn(n, generator=g)]).cuda()
+    k = torch.tensor([n / 16, n / 2 + 0.25, 1000.5], dtype=F64).cuda()
+    t = torch.tensor([1.0, 0.5, 1e-2], dtype=F64).cuda()
+    bb = fastlapsum.lapsum_threshold(x, k, t, largest=largest, method="bracket").cpu()
+    bs = fastlapsum.lapsum_threshold(x, k, t, largest=largest, method="sort").cpu()
+    # fp32 rows: both paths sum fp32 exponentials (~2 ulp each) in fp64, against different
+    # reference points, so they agree to ~1e-7 t, not to fp64 (2.3e-8 measured on row 0)
+    assert ((bb - bs).abs() <= 1e-6 * t.cpu()).all(), (bb, bs)
+    info = fastlapsum.lapsum_diagnostics(x, k, t, largest=largest, method="bracket")
+    assert info.path[0].item() == fastlapsum.PATH_BRACKET and info.attempts[0].item() == 1
+    assert 0 < info.middle_size[0].item() < n // 50, info.middle_size[0].item()
+    p = fastlapsum.soft_topk(x, k, t, largest=largest, method="bracket")
+    assert (budget_error(p, k) <= BUDGET_TOL[torch.float32]).all()
+
+
 # ---- CUDA graphs -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [1000, 5000])  # the on-chip path and the bracket
