@@ -41,7 +41,7 @@ for step in $STEPS; do
     demo) run demo 300 $PY examples/demo.py ;;
     bench) run bench_soft "${BENCH_TIMEOUT:-420}" $PY benchmarks/bench_soft_topk.py ${BENCH_ARGS:-} --out "$L/soft_topk_h200.json" ;;
     bench_hard) run bench_hard "${BENCH_TIMEOUT:-420}" $PY benchmarks/bench_hard_topk.py ${BENCH_HARD_ARGS:-} --out "$L/hard_topk_h200.json" ;;
-    profile) run profile 120 $PY benchmarks/profile_soft_topk.py --sizes ${PROFILE_SIZES:-1e6 1e8} && $PY benchmarks/profile_soft_topk.py --rows 16 --sizes 4096 >> "$L/profile.log" ;;
+    profile) FASTLAPSUM_DEPENDENT_LAUNCH=0 run profile 120 $PY benchmarks/profile_soft_topk.py --sizes ${PROFILE_SIZES:-1e6 1e8} && FASTLAPSUM_DEPENDENT_LAUNCH=0 $PY benchmarks/profile_soft_topk.py --rows 16 --sizes 4096 >> "$L/profile.log" ;;
     ncu)  # per-kernel hardware counters of one forward+backward at each size (if ncu exists)
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
       [ -n "$NCU" ] && run ncu 300 "$NCU" -k "${NCU_KERNELS:-regex:^(sample|propose|level|scan|sides|solve|lapsum_mask|vjp_reduce|vjp_apply|short_rows)_kernel}" --section SpeedOfLight \

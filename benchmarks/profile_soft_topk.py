@@ -3,6 +3,9 @@ torch.profiler: where the time of one call goes. Prints one table per size.
 
     python benchmarks/profile_soft_topk.py --sizes 1e6 1e8
     ncu -k regex:scan_kernel python benchmarks/profile_soft_topk.py --sizes 1e6 --warmup 0 --calls 1 --bare
+
+Run it with FASTLAPSUM_DEPENDENT_LAUNCH=0 (gpu_check.sh does): with dependent launches a
+kernel starts before its predecessor ends, and its measured time includes that wait.
 """
 from __future__ import annotations
 

@@ -7,6 +7,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cstdlib>
+#include <string>
 #include <utility>
 
 namespace fastlapsum {
@@ -36,14 +38,20 @@ __device__ __forceinline__ void begin_dependent_grid() {
 #endif
 }
 
-// Whether the current device takes dependent launches (compute capability 9.0 or later).
+// Whether kernels go out as dependent launches: on devices of compute capability 9.0 or
+// later, unless FASTLAPSUM_DEPENDENT_LAUNCH=0 (for per-kernel profiles: a dependent kernel's
+// measured time includes its wait for the one before it).
 inline bool dependent_launch_supported() {
+  static const bool disabled = [] {
+    const char* v = std::getenv("FASTLAPSUM_DEPENDENT_LAUNCH");
+    return v != nullptr && std::string(v) == "0";
+  }();
   static int cached[256] = {};  // 0: unknown, 1: no, 2: yes
   const int dev = c10::cuda::current_device();
   if (cached[dev] == 0) {
     int major = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    cached[dev] = major >= 9 ? 2 : 1;
+    cached[dev] = major >= 9 && !disabled ? 2 : 1;
   }
   return cached[dev] == 2;
 }
