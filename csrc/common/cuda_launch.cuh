@@ -41,7 +41,7 @@ __device__ __forceinline__ void begin_dependent_grid() {
 // Whether kernels go out as dependent launches: on devices of compute capability 9.0 or
 // later, unless FASTLAPSUM_DEPENDENT_LAUNCH=0 (for per-kernel profiles: a dependent kernel's
 // measured time includes its wait for the one before it).
-inline bool dependent_launch_supported() {
+inline bool dependent_launch_enabled() {
   static const bool disabled = [] {
     const char* v = std::getenv("FASTLAPSUM_DEPENDENT_LAUNCH");
     return v != nullptr && std::string(v) == "0";
@@ -63,7 +63,7 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t s
                       Args&&... args) {
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = dependent_launch_supported() ? 1 : 0;
+  attribute[0].val.programmaticStreamSerializationAllowed = dependent_launch_enabled() ? 1 : 0;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
