@@ -859,17 +859,6 @@ __global__ void __launch_bounds__(kBlock) g_output(Params P) {
 
 // ---- host side ---------------------------------------------------------------------------
 
-int sm_count(int dev) {
-  static int cache[64] = {0};
-  if (dev < 0 || dev >= 64) dev = 0;
-  if (cache[dev] == 0) {
-    int v = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    cache[dev] = v > 0 ? v : 1;
-  }
-  return cache[dev];
-}
-
 // Opt a kernel in to `bytes` of dynamic shared memory once per (kernel, device), so that
 // no CUDA API call other than launches happens on later calls (e.g. under graph capture).
 template <typename Kernel>
@@ -898,7 +887,7 @@ void launch(Params P, int64_t rows, const at::Tensor& x) {
   const cudaStream_t stream = current_stream();
   if (rows == 0) return;
   if (use_grid_path(rows, P.n)) {
-    const int sms = sm_count(x.get_device());
+    const int sms = sm_count();  // x's device: the caller holds its guard
     constexpr int V = 16 / sizeof(T);
     const int64_t max_bpr = std::max<int64_t>(1, (P.n / V + int64_t(kBlock) * kUnroll - 1) / (int64_t(kBlock) * kUnroll));
     P.bpr = std::min<int64_t>(max_bpr, std::max<int64_t>(1, (4 * sms + rows - 1) / rows));
