@@ -742,8 +742,7 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
         const FlatFrame f{a_lo, a_hi, inv_t};
         const double drop = exp((a_lo - a_hi) * inv_t);  // the tails' sums against the far end
         const FlatAtom none{0.0, 0.0, 0.0, INFINITY, -INFINITY};
-        const FlatAtom above_tail{above.count, above.sum * drop, 0.0, INFINITY, -INFINITY};
-        const FlatAtom below_tail{0.0, 0.0, below.sum * drop, INFINITY, -INFINITY};
+        const double above_tail_u = above.sum * drop, below_tail_l = below.sum * drop;
         // The same scan as the atom path below, with sums in place of merges.
         const int j = static_cast<int>(threadIdx.x), base = kScanBins * j;
         const auto edge_lo = [&](int bin) { return KT::value(Key(bin_keys(lo, hi, shift, bin).first)); };
@@ -761,13 +760,13 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
         s_group.flat[j] = FlatAbove{group.count, group.u, bottom_bin};
         FlatBelow below_g;
         FlatAbove above_r;
-        BelowScan(tmp.below).ExclusiveScan(FlatBelow{group.l, top_bin}, below_g, FlatBelow{below_tail.l, -1},
+        BelowScan(tmp.below).ExclusiveScan(FlatBelow{group.l, top_bin}, below_g, FlatBelow{below_tail_l, -1},
                                            FlatBelowMerge{});
         __syncthreads();  // s_group; tmp reused
         AboveScan(tmp.above).ExclusiveScan(s_group.flat[kScanThreads - 1 - j], above_r,
-                                           FlatAbove{above.count, above_tail.u, kBins}, FlatAboveMerge{});
+                                           FlatAbove{above.count, above_tail_u, kBins}, FlatAboveMerge{});
         s_above.flat[kScanThreads - 1 - j] = above_r;
-        if (j == kScanThreads - 1) s_psi_top = f.psi(above.count, above.sum * drop, below_g.l + group.l, a_hi);
+        if (j == kScanThreads - 1) s_psi_top = f.psi(above.count, above_tail_u, below_g.l + group.l, a_hi);
         __syncthreads();  // s_above; tmp -> tmp.min
         const FlatAbove above_g = s_above.flat[j];
         const double above_lo = above_g.bottom < kBins ? edge_lo(above_g.bottom) : INFINITY;
@@ -779,7 +778,7 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
           s_inside = kBins;
           s_gap_lo = below.ref;
           s_gap_hi = fmin(fmin(above_lo, group.lo), a_hi);
-          s_psi_bottom = f.psi(above_g.count + group.count, above_g.u + group.u, below_tail.l, a_lo);
+          s_psi_bottom = f.psi(above_g.count + group.count, above_g.u + group.u, below_tail_l, a_lo);
         }
         __syncthreads();
         if (j == s_owner) {
