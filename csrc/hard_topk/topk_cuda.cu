@@ -456,6 +456,11 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
       double rs = ceil(1.75 * static_cast<double>(take) * static_cast<double>(S) / static_cast<double>(L));
       rs = rs < 1.0 ? 1.0 : (rs > static_cast<double>(S) ? static_cast<double>(S) : rs);
       const uint32_t rstar = static_cast<uint32_t>(rs);
+      // The first pass keeps the sample's keys in the (still empty) candidate buffer when
+      // they fit, so that the second reads shared memory, not the row again (a round trip
+      // to L2 or DRAM while the other CTA of the SM streams).
+      uint32_t* skeys = ckey;  // cap keys then cap indices: 2 * cap slots
+      const bool keep = S <= 2 * static_cast<int64_t>(cap);
       auto samp_each = [&](auto&& f) {
         constexpr int kU = 8;  // independent sample loads in flight per thread
         for (int64_t j0 = 0; j0 < S; j0 += int64_t(kBlock) * kU) {
@@ -466,8 +471,14 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
             v[u] = j < S ? to_float(xr[off + (j >> 3) * G + (j & 7)]) : 0.0f;
           }
 #pragma unroll
-          for (int u = 0; u < kU; ++u)
-            if (j0 + u * kBlock + tid < S) f(float_key(v[u]) ^ flip);
+          for (int u = 0; u < kU; ++u) {
+            const int64_t j = j0 + u * kBlock + tid;
+            if (j < S) {
+              const uint32_t key = float_key(v[u]) ^ flip;
+              if (keep) skeys[j] = key;
+              f(key);
+            }
+          }
         }
       };
       for (int i = tid; i < kBins; i += kBlock) hist[i] = 0;
@@ -479,9 +490,14 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
       __syncthreads();
       for (int i = tid; i < kBins; i += kBlock) hist[i] = 0;
       __syncthreads();
-      samp_each([&](uint32_t key) {
+      const auto second = [&](uint32_t key) {
         if ((key >> 21) == d1) atomicAdd(&hist[(key >> 10) & 2047u], 1u);
-      });
+      };
+      if (keep) {
+        for (int64_t j = tid; j < S; j += kBlock) second(skeys[j]);
+      } else {
+        samp_each(second);
+      }
       __syncthreads();
       find_bin(hist, rem, sh.scan[0], sh.res);
       thr = (d1 << 21) | (sh.res.digit << 10);
@@ -536,26 +552,36 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
     auto is_sel = [&](uint32_t key, uint32_t i) { return selected(composite(key, i), prefix, ks); };
     auto is_sel_score = [&](float v, uint32_t i) { return is_sel(float_key(v) ^ flip, i); };
     auto out = [&](uint32_t pos, uint32_t key, uint32_t i) { emit<T>(P, r, pos, composite(key, i)); };
-    if (ok) {  // candidates in buffer order, 8 consecutive per thread, positions by block scan
+    if (ok) {
+      // The selected candidates, compacted in place in buffer order (kPer consecutive per
+      // thread, positions by block scan: a position never passes its candidate's index, and
+      // the chunk is in registers before the scan's barrier), then written out coalesced
+      // (written from the scan's positions directly, a warp's stores hit 32 sectors each).
+      constexpr int kPer = 4;  // 8 spill registers of the fp32 kernel
       uint32_t base = 0;
-      for (uint32_t i0 = 0; i0 < C; i0 += kBlock * 8) {
-        uint32_t cnt = 0;
+      for (uint32_t i0 = 0; i0 < C; i0 += kBlock * kPer) {
+        uint32_t kk[kPer], ii[kPer], sel = 0;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const uint32_t i = i0 + tid * 8 + j;
-          if (i < C && is_sel(ckey[i], cidx[i])) ++cnt;
+        for (int j = 0; j < kPer; ++j) {
+          const uint32_t i = i0 + tid * kPer + j;
+          kk[j] = i < C ? ckey[i] : 0u;
+          ii[j] = i < C ? cidx[i] : 0u;
+          if (i < C && is_sel(kk[j], ii[j])) sel |= 1u << j;
         }
         uint32_t pos, agg;
-        BlockScan(sh.scan[0]).ExclusiveSum(cnt, pos, agg);
+        BlockScan(sh.scan[0]).ExclusiveSum(static_cast<uint32_t>(__popc(sel)), pos, agg);
         pos += base;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const uint32_t i = i0 + tid * 8 + j;
-          if (i < C && is_sel(ckey[i], cidx[i])) out(pos++, ckey[i], cidx[i]);
-        }
+        for (int j = 0; j < kPer; ++j)
+          if (sel & (1u << j)) {
+            ckey[pos] = kk[j];
+            cidx[pos] = ii[j];
+            ++pos;
+          }
         base += agg;
         __syncthreads();
       }
+      for (uint32_t j = tid; j < base; j += kBlock) out(j, ckey[j], cidx[j]);
     } else {
       ordered_row_compact<T>(xr, L, aligned, flip, sh.scan, is_sel_score, out);
     }
@@ -740,10 +766,34 @@ __device__ __forceinline__ void flush_stage(uint64_t* buf, StageShared& ss, unsi
   __syncthreads();
 }
 
+// Slots in a CTA's stage for `count` items of each lane of a converged warp: one shared
+// atomic per warp (an inclusive shuffle scan of the counts), the first slot returned.
+__device__ __forceinline__ uint32_t warp_stage_slots(StageShared& ss, uint32_t count) {
+  const int lane = threadIdx.x % 32;
+  uint32_t incl = count;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const uint32_t t = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += t;
+  }
+  uint32_t first = 0;
+  if (lane == 31 && incl != 0) first = atomicAdd(&ss.cnt, incl);
+  return __shfl_sync(0xffffffffu, first, 31) + incl - count;
+}
+
 // collect: composites with key >= thr into the candidate buffer + first-digit histogram.
+// At k = n/16 one score in 16 is collected, so the pass is lean like the row kernel's: a
+// bit per score from one fp32 compare (key_bound), stage slots per warp, and only the set
+// bits revisit their scores (an L1 hit: a register is picked by constant index only).
+// A tile is kBlock * kUnroll vectors (<= kStageItems scores); the stage is flushed to the
+// buffer every kFlushTiles tiles at an offset reserved with one global atomic.
 template <typename T, bool kMask>
 __global__ void __launch_bounds__(kBlock) g_collect(Params P) {
   begin_dependent_grid();
+  constexpr int V = 16 / sizeof(T), U = kUnroll;
+  constexpr int64_t kTile = int64_t(kBlock) * U * V;
+  constexpr int kFlushTiles = static_cast<int>(kStageItems / kTile);
+  static_assert(U * V <= 32 && kFlushTiles >= 1, "a bit per score; a tile fits the stage");
   extern __shared__ __align__(16) unsigned char dyn_smem[];
   uint64_t* buf = reinterpret_cast<uint64_t*>(dyn_smem);
   __shared__ uint32_t hist[kBins];
@@ -756,28 +806,45 @@ __global__ void __launch_bounds__(kBlock) g_collect(Params P) {
   __syncthreads();
   const T* xr = static_cast<const T*>(P.x) + r * P.pitch;
   const bool aligned = (reinterpret_cast<uintptr_t>(xr) & 15) == 0;
-  const uint32_t flip = P.flip, thr = st.thr;
-  const int64_t cap = P.cap_g;
+  const uint32_t flip = P.flip;
+  // key >= thr as one fp32 compare (a superset at worst, as in the row kernel)
+  const float lo = key_bound(st.thr), hi = key_bound(~st.thr);
+  const auto admit = [&](float v) { return flip == 0 ? !(v < lo) : v <= hi; };
+  const int64_t L = st.L, cap = P.cap_g;
   uint64_t* cr = P.cand + r * cap;
-  const auto collect = [&](float v, int64_t i) {
-    const uint32_t key = float_key(v) ^ flip;
-    buf[stage_slot(ss)] = composite(key, static_cast<uint32_t>(i));
-    atomicAdd(&hist[key >> 21], 1u);
-  };
-  const auto flush = [&] {
-    flush_stage(buf, ss, &st.cand_cnt, [&](unsigned long long pos, uint64_t c) {
-      if (pos < static_cast<unsigned long long>(cap)) cr[pos] = c;
-    });
-  };
-  // tiles of kBlock * kUnroll vectors (<= kStageItems scores), staged and flushed per tile;
-  // key >= thr as one fp32 compare per score, as in the row kernel (key_bound)
-  if (flip == 0) {
-    const float lo = key_bound(thr);
-    for_row<T, kUnroll>(xr, st.L, aligned, blockIdx.x, P.bpr, [&](float v, int64_t i) { if (!(v < lo)) collect(v, i); }, flush);
-  } else {
-    const float hi = key_bound(~thr);
-    for_row<T, kUnroll>(xr, st.L, aligned, blockIdx.x, P.bpr, [&](float v, int64_t i) { if (v <= hi) collect(v, i); }, flush);
+  const int64_t nv = (L + V - 1) / V, step = P.bpr * int64_t(kBlock) * U;
+  int tiles = 0;
+  for (int64_t v0 = blockIdx.x * int64_t(kBlock) * U; v0 < nv; v0 += step) {  // uniform trip count
+    int4 raw[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t v = v0 + u * kBlock + threadIdx.x;
+      if (v < nv) raw[u] = load_raw_vec<T>(xr, v, L, aligned);
+    }
+    uint32_t bits = 0;
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const int64_t i = (v0 + u * kBlock + threadIdx.x) * V + e;
+        if (i < L && admit(raw_score<T>(raw[u], e))) bits |= 1u << (u * V + e);
+      }
+    uint32_t slot = warp_stage_slots(ss, static_cast<uint32_t>(__popc(bits)));
+    for (uint32_t b = bits; b != 0; b &= b - 1) {
+      const int q = __ffs(b) - 1;
+      const int64_t i = (v0 + (q / V) * kBlock + threadIdx.x) * V + q % V;
+      const uint32_t key = float_key(to_float(xr[i])) ^ flip;
+      buf[slot++] = composite(key, static_cast<uint32_t>(i));
+      atomicAdd(&hist[key >> 21], 1u);
+    }
+    if (++tiles == kFlushTiles || v0 + step >= nv) {  // uniform
+      tiles = 0;
+      flush_stage(buf, ss, &st.cand_cnt, [&](unsigned long long pos, uint64_t c) {
+        if (pos < static_cast<unsigned long long>(cap)) cr[pos] = c;
+      });
+    }
   }
+  __syncthreads();
   for (int i = threadIdx.x; i < kBins; i += kBlock)
     if (hist[i]) atomicAdd(&P.ghist[r * kBins + i], hist[i]);
 }
@@ -872,6 +939,22 @@ void set_max_dynamic_smem(Kernel kernel, int bytes, int dev) {
   have = bytes;
 }
 
+// CTAs of `kernel` (kBlock threads, `smem` dynamic bytes) resident per SM, once per
+// (kernel, device): the grid kernels stream in grid-stride loops, so one full wave of CTAs
+// (no partial wave idling most of the GPU at the end) is the right grid.
+template <typename Kernel>
+int resident_blocks(Kernel kernel, int smem, int dev) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> known;
+  const std::lock_guard<std::mutex> lock(mu);
+  int& have = known[{reinterpret_cast<const void*>(kernel), dev}];
+  if (have == 0) {
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&have, kernel, kBlock, smem));
+    have = std::max(have, 1);
+  }
+  return have;
+}
+
 bool use_grid_path(int64_t rows, int64_t n) { return rows <= kGridMaxRows && n >= kGridMinN; }
 
 // Scores as a [rows, n] view with unit inner stride (row pitch kept).
@@ -888,9 +971,13 @@ void launch(Params P, int64_t rows, const at::Tensor& x) {
   if (rows == 0) return;
   if (use_grid_path(rows, P.n)) {
     const int sms = sm_count();  // x's device: the caller holds its guard
+    const int stage_bytes = kStageItems * 8;
+    set_max_dynamic_smem(g_collect<T, kMask>, stage_bytes, x.get_device());
+    set_max_dynamic_smem(g_output<T, kMask>, stage_bytes, x.get_device());
+    const int64_t wave = static_cast<int64_t>(resident_blocks(g_collect<T, kMask>, stage_bytes, x.get_device())) * sms;
     constexpr int V = 16 / sizeof(T);
     const int64_t max_bpr = std::max<int64_t>(1, (P.n / V + int64_t(kBlock) * kUnroll - 1) / (int64_t(kBlock) * kUnroll));
-    P.bpr = std::min<int64_t>(max_bpr, std::max<int64_t>(1, (4 * sms + rows - 1) / rows));
+    P.bpr = std::min<int64_t>(max_bpr, std::max<int64_t>(1, wave / rows));
     const int64_t cap_want = kMask ? P.n / 4 + 65536 : P.K + P.K / 8 + 65536;
     P.cap_g = std::max<int64_t>(1, std::min<int64_t>({P.n, cap_want, (int64_t(1) << 27) / rows}));
     const int64_t st_bytes = ((rows * int64_t(sizeof(GState)) + 255) / 256) * 256;
@@ -901,9 +988,6 @@ void launch(Params P, int64_t rows, const at::Tensor& x) {
     P.ghist = reinterpret_cast<uint32_t*>(w + st_bytes);
     P.cand = reinterpret_cast<uint64_t*>(w + st_bytes + h_bytes);
     const dim3 grid(static_cast<unsigned>(P.bpr), static_cast<unsigned>(rows));
-    const int stage_bytes = kStageItems * 8;
-    set_max_dynamic_smem(g_collect<T, kMask>, stage_bytes, x.get_device());
-    set_max_dynamic_smem(g_output<T, kMask>, stage_bytes, x.get_device());
     launch_dependent(g_init<T, kMask>, rows, kBlock, 0, stream, P);
     for (int stage = kSampleA; stage <= kSampleB; ++stage) {
       launch_dependent(g_hist<T, kMask>, grid, kBlock, 0, stream, P, stage);
