@@ -93,6 +93,7 @@ constexpr int row_unroll() { return sizeof(T) >= 4 ? 4 : 2; }
 constexpr int kGridMaxRows = 64;
 constexpr int64_t kGridMinN = 65536;
 constexpr int kStageItems = 8192;  // grid kernels: staged composites per CTA tile (64 KiB)
+constexpr int64_t kHeadPrefetchBytes = 64 * 1024;  // row kernel: the row's first two tiles
 
 // Warp scans: one barrier per scan (raking has two).
 using BlockScan = cub::BlockScan<uint32_t, kBlock, cub::BLOCK_SCAN_WARP_SCANS>;
@@ -398,6 +399,16 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
   return base;
 }
 
+// The fixed-stride sample: groups of 8 contiguous scores (one 32 B sector) every 8 s
+// scores, the first at a row-dependent offset (a multiple of 8 below 8 s).
+__device__ __forceinline__ int64_t row_sample_stride(int64_t take) {  // the row kernel's s
+  const int64_t s = take / 27;
+  return s < 1 ? 1 : (s > 64 ? 64 : s);
+}
+__device__ __forceinline__ int64_t sample_offset(int64_t r, int64_t s) {
+  return static_cast<int64_t>(mix32(static_cast<uint32_t>(r) * 0x9E3779B9u + 0x7F4A7C15u) % static_cast<uint32_t>(s)) * 8;
+}
+
 // ---- per-row kernel ----------------------------------------------------------------------
 
 template <typename T, bool kMask>
@@ -416,6 +427,22 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
   const uint32_t flip = P.flip;
   T* mrow = kMask ? static_cast<T*>(P.out_mask) + r * P.n : nullptr;
 
+  // Into L2 while this CTA reads its length and samples (its stream is idle until then,
+  // and the other CTA of the SM alone does not keep the SM's share of DRAM busy): the
+  // row's head, and the sample's sectors for the usual budget (take = K <= L). Hints only:
+  // any address inside the row's n scores is valid, whatever the row's length.
+  if (P.n > P.cap) {
+    const char* head = reinterpret_cast<const char*>(xr);
+    const int64_t row_bytes = P.n * int64_t(sizeof(T)), head_bytes = row_bytes < kHeadPrefetchBytes ? row_bytes : kHeadPrefetchBytes;
+    for (int64_t o = int64_t(tid) * 128; o < head_bytes; o += int64_t(kBlock) * 128)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(head + o));
+    if (!kMask) {
+      const int64_t s = row_sample_stride(P.K);
+      const int64_t off = sample_offset(r, s);
+      for (int64_t g = tid; g < 2 * kBlock && off + g * 8 * s < P.n; g += kBlock)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(xr + off + g * 8 * s));
+    }
+  }
   int64_t L, take;
   if (!row_budget<kMask>(P, r, L, take)) {
     for (int64_t i = tid; i < P.n; i += kBlock) mrow[i] = static_cast<T>(NAN);
@@ -447,11 +474,9 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
     if (2.5 * static_cast<double>(take) > cap) {
       try_cand = false;
     } else {
-      int64_t s = take / 27;
-      s = s < 1 ? 1 : (s > 64 ? 64 : s);
+      const int64_t s = row_sample_stride(take);
       const int64_t G = 8 * s;  // L > cap >= 2048 >= G
-      const int64_t off = static_cast<int64_t>(mix32(static_cast<uint32_t>(r) * 0x9E3779B9u + 0x7F4A7C15u) %
-                                               static_cast<uint32_t>(s)) * 8;
+      const int64_t off = sample_offset(r, s);
       const int64_t S = ((L - off - 8) / G + 1) * 8;
       double rs = ceil(1.75 * static_cast<double>(take) * static_cast<double>(S) / static_cast<double>(L));
       rs = rs < 1.0 ? 1.0 : (rs > static_cast<double>(S) ? static_cast<double>(S) : rs);
@@ -628,7 +653,7 @@ __global__ void __launch_bounds__(kBlock) g_init(Params P) {
     const int64_t s = 64, G = 8 * s;
     st.sampled = L >= 64 * G ? 1u : 0u;
     if (st.sampled) {
-      const int64_t off = static_cast<int64_t>(mix32(static_cast<uint32_t>(r) * 0x9E3779B9u + 0x7F4A7C15u) % s) * 8;
+      const int64_t off = sample_offset(r, s);
       const int64_t S = ((L - off - 8) / G + 1) * 8;
       const double re = static_cast<double>(take) * static_cast<double>(S) / static_cast<double>(L);
       double rs = ceil(re + 5.0 * sqrt(re) + 16.0);
