@@ -23,7 +23,8 @@
 //    - take == 0 or take == L: write all valid indices directly (+ -1 padding).
 //    - L <= cap (cap = smem candidate capacity): load the whole row into shared memory
 //      (keys + indices) once and select there (direct exact path for short rows).
-//    - else if 2.5*take <= cap: sampled path. Fixed-stride view: groups of 8 contiguous
+//    - else if 2.5*take <= cap: sampled path (the row's head and the sample are
+//      prefetched into L2 at the start). Fixed-stride view: groups of 8 contiguous
 //      scores (one 32 B sector) every 8*s scores, s = clamp(take/27, 1, 64), with a
 //      row-dependent offset; two 11-bit histogram passes over the sample give a 22-bit
 //      key threshold T at sample rank ceil(1.75*take*S/L). One fused full-row pass
@@ -38,10 +39,11 @@
 //    cap = clamp(round_up(4*K, 256), 2048, 24576) entries of (key, index) = 8 B each
 //    (64 KiB for K = 2048) in dynamic shared memory; hard_mask uses cap = 8192.
 // 2. Grid path (g_* kernels), for few long rows (rows <= 64 and n >= 2^16): every row
-//    gets `bpr` CTAs (blockIdx.x) so a single row of 10^8 scores uses the whole GPU.
+//    gets `bpr` CTAs (blockIdx.x; the rows share one full wave of resident CTAs, where
+//    4 per SM made collect 1.33 waves) so a single row of 10^8 scores uses the whole GPU.
 //    Fixed sequence of launches: init, sample histogram a, scan, sample histogram b,
 //    scan (-> threshold T at sample rank r_e + 5 sqrt(r_e) + 16, r_e = take*S/L, s = 64),
-//    collect (grid-wide count + block-staged compaction of the composites >= T into a
+//    collect (grid-wide count + warp-slotted, block-staged compaction of the composites >= T into a
 //    bounded per-row global buffer of cap_g = min(n, K + K/8 + 65536) entries, plus the
 //    first-digit histogram), decide (candidates valid iff take <= count <= cap_g, else
 //    fallback to the full row), 6 x (histogram pass, scan) of the radix select over the
