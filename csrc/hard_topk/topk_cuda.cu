@@ -840,14 +840,20 @@ __global__ void __launch_bounds__(kBlock) g_collect(Params P) {
   const int64_t L = st.L, cap = P.cap_g;
   uint64_t* cr = P.cand + r * cap;
   const int64_t nv = (L + V - 1) / V, step = P.bpr * int64_t(kBlock) * U;
-  int tiles = 0;
-  for (int64_t v0 = blockIdx.x * int64_t(kBlock) * U; v0 < nv; v0 += step) {  // uniform trip count
-    int4 raw[U];
+  const auto load_tile = [&](int4(&raw)[U], int64_t v0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t v = v0 + u * kBlock + threadIdx.x;
       if (v < nv) raw[u] = load_raw_vec<T>(xr, v, L, aligned);
     }
+  };
+  int tiles = 0;
+  int4 raw[U], next[U];
+  const int64_t first = blockIdx.x * int64_t(kBlock) * U;
+  if (first < nv) load_tile(raw, first);
+  for (int64_t v0 = first; v0 < nv; v0 += step) {  // uniform trip count
+    // the next tile's loads are in flight while this one is tested and flushed
+    if (v0 + step < nv) load_tile(next, v0 + step);
     uint32_t bits = 0;
 #pragma unroll
     for (int u = 0; u < U; ++u)
@@ -870,6 +876,8 @@ __global__ void __launch_bounds__(kBlock) g_collect(Params P) {
         if (pos < static_cast<unsigned long long>(cap)) cr[pos] = c;
       });
     }
+#pragma unroll
+    for (int u = 0; u < U; ++u) raw[u] = next[u];
   }
   __syncthreads();
   for (int i = threadIdx.x; i < kBins; i += kBlock)
