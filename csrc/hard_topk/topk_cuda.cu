@@ -43,9 +43,9 @@
 //    4 per SM made collect 1.33 waves) so a single row of 10^8 scores uses the whole GPU.
 //    Fixed sequence of launches: init, sample histogram a, scan, sample histogram b,
 //    scan (-> threshold T at sample rank r_e + 5 sqrt(r_e) + 16, r_e = take*S/L, s = 64),
-//    collect (grid-wide count + warp-slotted, block-staged compaction of the composites >= T into a
-//    bounded per-row global buffer of cap_g = min(n, K + K/8 + 65536) entries, plus the
-//    first-digit histogram), decide (candidates valid iff take <= count <= cap_g, else
+//    collect (grid-wide count + warp-slotted, block-staged compaction of the composites
+//    >= T into a bounded per-row global buffer of cap_g = min(n, K + K/8 + 65536) entries,
+//    plus the first-digit histogram), decide (candidates valid iff take <= count <= cap_g, else
 //    fallback to the full row), 6 x (histogram pass, scan) of the radix select over the
 //    candidates (or the row), output. Passes after the select is decided exit at once.
 //    This also plays the role of KV-split (several CTAs per row for few long rows),
@@ -584,7 +584,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
       // thread, positions by block scan: a position never passes its candidate's index, and
       // the chunk is in registers before the scan's barrier), then written out coalesced
       // (written from the scan's positions directly, a warp's stores hit 32 sectors each).
-      constexpr int kPer = 4;  // 8 spill registers of the fp32 kernel
+      constexpr int kPer = 4;  // 8 would add live registers to a kernel at its 64-register cap
       uint32_t base = 0;
       for (uint32_t i0 = 0; i0 < C; i0 += kBlock * kPer) {
         uint32_t kk[kPer], ii[kPer], sel = 0;
