@@ -8,6 +8,9 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstdlib>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <string>
 #include <utility>
 
@@ -22,6 +25,40 @@ inline int sm_count() {
   const int dev = c10::cuda::current_device();
   if (cached[dev] == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&cached[dev], cudaDevAttrMultiProcessorCount, dev));
   return cached[dev];
+}
+
+// Facts about a kernel on a device, looked up once (under one lock) and remembered, so that
+// later calls (e.g. under graph capture) make no CUDA API call other than launches.
+inline std::mutex& kernel_facts_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+inline int& kernel_fact(const void* kernel, int dev, int kind, int arg) {  // 0 until set
+  static std::map<std::tuple<const void*, int, int, int>, int> facts;
+  return facts[{kernel, dev, kind, arg}];
+}
+
+// Opts a kernel in to `bytes` of dynamic shared memory.
+template <typename Kernel>
+void set_max_dynamic_smem(Kernel kernel, int bytes, int dev) {
+  const std::lock_guard<std::mutex> lock(kernel_facts_mutex());
+  int& have = kernel_fact(reinterpret_cast<const void*>(kernel), dev, 0, 0);
+  if (bytes <= have) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  have = bytes;
+}
+
+// CTAs of `kernel` (`threads` threads, `smem` dynamic bytes) resident per SM: a kernel that
+// streams in grid-stride loops can size its grid to one full wave.
+template <typename Kernel>
+int resident_blocks(Kernel kernel, int threads, int smem, int dev) {
+  const std::lock_guard<std::mutex> lock(kernel_facts_mutex());
+  int& have = kernel_fact(reinterpret_cast<const void*>(kernel), dev, threads, smem);
+  if (have == 0) {
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&have, kernel, threads, smem));
+    have = have < 1 ? 1 : have;
+  }
+  return have;
 }
 
 // Programmatic dependent launch (Hopper and later). A kernel launched by launch_dependent may

@@ -154,22 +154,22 @@ __device__ __forceinline__ bool is_aligned16(const T* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-// Streams a row (and its upstream gradient when gr != nullptr) in tiles of kStreamUnroll
+// Streams a row (and its upstream gradient when gr != nullptr) in tiles of kUnroll
 // 16-byte vectors per thread, the loads of a tile issued together, and calls
 // f(x values, g values (0 without gr), valid count, first index) per vector, the values
 // as Val (double, or the compute type: fp32<->fp64 conversions run at quarter rate).
 // Block c of the row's gridDim.x blocks takes tiles c, c + gridDim.x, ...
-template <typename scalar_t, typename Val = double, typename F>
+template <typename scalar_t, typename Val = double, int kUnroll = kStreamUnroll, typename F>
 __device__ __forceinline__ void stream_row(const scalar_t* __restrict__ xr, const scalar_t* __restrict__ gr,
                                            int64_t n, F&& f) {
   constexpr int V = vec_width<scalar_t>();
   const bool aligned = is_aligned16(xr) && (gr == nullptr || is_aligned16(gr));
-  const int64_t tile = int64_t(blockDim.x) * V * kStreamUnroll;
+  const int64_t tile = int64_t(blockDim.x) * V * kUnroll;
   for (int64_t t0 = int64_t(blockIdx.x) * tile; t0 < n; t0 += int64_t(gridDim.x) * tile) {
-    Val xv[kStreamUnroll][V], gv[kStreamUnroll][V];
-    int valid[kStreamUnroll];
+    Val xv[kUnroll][V], gv[kUnroll][V];
+    int valid[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kStreamUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int64_t i0 = t0 + (int64_t(u) * blockDim.x + threadIdx.x) * V;
 #pragma unroll
       for (int q = 0; q < V; ++q) gv[u][q] = xv[u][q] = Val(0);
@@ -177,7 +177,7 @@ __device__ __forceinline__ void stream_row(const scalar_t* __restrict__ xr, cons
       if (gr != nullptr && valid[u] > 0) load_vec<scalar_t, V>(gr, n, i0, aligned, gv[u]);
     }
 #pragma unroll
-    for (int u = 0; u < kStreamUnroll; ++u)
+    for (int u = 0; u < kUnroll; ++u)
       if (valid[u] > 0) f(xv[u], gv[u], valid[u], t0 + (int64_t(u) * blockDim.x + threadIdx.x) * V);
   }
 }

@@ -2,10 +2,9 @@
 // §1.2, with the radix bracket over the whole row as its exact fallback, in one fixed
 // launch sequence (no host sync; a row that is done skips the remaining launches).
 //
-//  sample   a few blocks per row: the noised systematic sample of bracket_rule.h (its keys
-//           kept in a workspace) and the histogram of their first digit.
-//  propose  one CTA per row: two order statistics of the sample (radix select; the later
-//           digits read the kept keys) -> the bracket's key range.
+//  propose  a few blocks per row: the noised systematic sample of bracket_rule.h (its keys
+//           in registers) and two order statistics of it (radix select, the blocks trading
+//           each digit's histogram through global memory) -> the bracket's key range.
 //  level    a grid over each row. Scores above / below the row's key range go to the two
 //           tails (fp64 sums against the range ends, reduced per block in a fixed order);
 //           scores inside go to up to 2048 range atoms ("bins"). A bracketed row's first
@@ -49,9 +48,10 @@ constexpr int kLevelThreads = 512;
 constexpr int kLevelUnroll = 4;
 constexpr int kScanThreads = 256;  // 512 (4 bins per thread) measured no faster on the H200
 constexpr int kScanBins = kBins / kScanThreads;  // consecutive bins per scan thread
-constexpr int kProposeThreads = 1024;
-constexpr int kSampleThreads = 256;
-constexpr int64_t kMaxSampleBlocks = 64;  // blocks per row gathering the sample
+constexpr int kProposeThreads = 256;
+constexpr int kSampleKeys = 8;  // sample keys per propose thread, kept in registers
+constexpr unsigned kStopKeys = 2;  // propose stops at a bucket with at most this many sample keys
+constexpr int64_t kFirstHistWords = kBins + 32;  // per row: the first digit's counts, the barrier counter
 constexpr int kSolveThreads = 256;
 constexpr int64_t kMaxChunks = 1024;  // blocks per row in the row-wide passes
 constexpr int64_t kSideBlocks = 128;  // blocks per row of the sides pass
@@ -237,68 +237,48 @@ __device__ inline Atom bin_atom(const BinSums& h, uint64_t lo, uint64_t hi, int 
   return Atom{KT::value(Key(b.first)), KT::value(Key(b.last)), static_cast<double>(h.count), h.U, h.L};
 }
 
-// ---- sample and propose --------------------------------------------------------------------
+// ---- propose -------------------------------------------------------------------------------
 
-// The noised systematic sample of every row: its keys, kept in the row's workspace slice
-// for propose's later digits, and the histogram of their first digit. Several blocks per
-// row: each sample is its own memory transaction, so one block alone waits on latency.
-template <typename scalar_t>
-__global__ void __launch_bounds__(kSampleThreads)
-sample_kernel(const scalar_t* __restrict__ x, const double* __restrict__ t_in,
-              typename KeyTraits<scalar_t>::Key* __restrict__ sample_keys, int64_t sample_cap,
-              unsigned* __restrict__ sample_hist, int64_t rows, int64_t n, double sign) {
-  begin_dependent_grid();
-  using KT = KeyTraits<scalar_t>;
-  using Key = typename KT::Key;
-  constexpr int kBatch = 4;  // independent gathers in flight per thread
-  __shared__ unsigned hist[kBins];
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    for (int j = threadIdx.x; j < kBins; j += blockDim.x) hist[j] = 0;
-    __syncthreads();
-    const SampleGeometry g = sample_geometry(n, r);
-    const double t = t_in[r];
-    Key* keys = sample_keys + r * sample_cap;
-    const int64_t step = int64_t(gridDim.x) * blockDim.x * kBatch;
-    for (int64_t base = int64_t(blockIdx.x) * blockDim.x * kBatch + threadIdx.x; base < g.count; base += step) {
-      double v[kBatch];
-#pragma unroll
-      for (int q = 0; q < kBatch; ++q) {
-        const int64_t i = base + int64_t(q) * blockDim.x;
-        v[q] = i < g.count ? static_cast<double>(x[r * n + g.offset + i * g.stride]) : 0.0;
-      }
-#pragma unroll
-      for (int q = 0; q < kBatch; ++q) {
-        const int64_t i = base + int64_t(q) * blockDim.x;
-        if (i >= g.count) continue;
-        const Key key = KT::key(sign * v[q] + t * static_cast<double>(laplace_noise_f(static_cast<uint32_t>(i))));
-        keys[i] = key;
-        atomicAdd(&hist[static_cast<int>(static_cast<uint64_t>(key) >> (KT::kBits - kDigitBits))], 1u);
-      }
-    }
-    __syncthreads();
-    for (int j = threadIdx.x; j < kBins; j += blockDim.x)
-      if (hist[j] != 0) atomicAdd(&sample_hist[r * kBins + j], hist[j]);
-    __syncthreads();
+// Waits until the row's counter has `target` arrivals: the blocks of one row trade their
+// histograms through global memory. They are all resident (the grid is at most one wave and
+// every block of it arrives), so the wait ends.
+__device__ inline void row_barrier(unsigned* counter, unsigned target) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's histogram adds (after the bar.sync above) before the arrival
+    atomicAdd(counter, 1u);
+    unsigned seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+    } while (seen < target);
   }
+  __syncthreads();
 }
 
-// Radix select of two order statistics (ascending ranks) of the noised sample: the first
-// digit's histogram comes from sample_kernel, the later digits read the cached keys.
-// rank < 0 or >= m leaves that end open.
+// The noised systematic sample of a row and two order statistics of it (radix select, 11-bit
+// digits) -> the bracket's key range, in one launch: a few blocks per row each keep
+// kSampleKeys keys per thread in registers, add each digit's counts (of the keys under either
+// end's prefix so far) to the row's global histogram, and after a row barrier every block
+// reads the whole histogram and takes the same next digit. rank < 0 or >= m leaves that end
+// open. The first digit's histogram and the barrier counter come zeroed; the later ones are
+// zeroed here before the first barrier.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kProposeThreads)
-propose_kernel(const double* __restrict__ k_in, const double* __restrict__ t_in, RowState* __restrict__ state,
-               const typename KeyTraits<scalar_t>::Key* __restrict__ sample_keys, int64_t sample_cap,
-               const unsigned* __restrict__ sample_hist, int64_t rows, int64_t n, bool sort) {
+propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, const double* __restrict__ t_in,
+               RowState* __restrict__ state, unsigned* __restrict__ first_hist, unsigned* __restrict__ later_hist,
+               int64_t rows, int64_t n, double sign, bool sort) {
   begin_dependent_grid();
   using KT = KeyTraits<scalar_t>;
   using Key = typename KT::Key;
   using Scan = cub::BlockScan<unsigned, kProposeThreads>;
+  constexpr int kDigits = digits_for(KT::kBits);
+  constexpr int kPer = kBins / kProposeThreads;  // bins per thread in the scans
   __shared__ unsigned hist[2][kBins];
   __shared__ typename Scan::TempStorage scan;
   __shared__ uint64_t s_prefix[2];
   __shared__ int64_t s_rank[2];
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+  __shared__ unsigned s_in_bucket[2];  // sample keys in each end's bucket so far
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const double k = k_in[r], t = t_in[r], nn = static_cast<double>(n);
     RowState st{};
     st.status = sort ? kRefineRow : kRefineMiddle;
@@ -315,77 +295,111 @@ propose_kernel(const double* __restrict__ k_in, const double* __restrict__ t_in,
       const SampleGeometry g = sample_geometry(n, r);
       int64_t il, iu;
       bracket_indices(g.count, nn, (k >= 0.0 && k <= nn) ? k : 0.5 * nn, 0, &il, &iu);
+      unsigned* first = first_hist + r * kFirstHistWords;  // kBins counts, then the barrier counter
+      unsigned* counter = first + kBins;
+      unsigned* later = later_hist + r * (kDigits - 1) * 2 * kBins;  // [digit - 1][end][bin]
+      for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < (kDigits - 1) * 2 * kBins;
+           j += int64_t(gridDim.x) * blockDim.x)
+        later[j] = 0;
+      for (int j = threadIdx.x; j < kBins; j += blockDim.x) hist[0][j] = 0;
       if (threadIdx.x == 0) {
         s_rank[0] = il;
         s_rank[1] = iu;
         s_prefix[0] = s_prefix[1] = 0;
+        s_in_bucket[0] = s_in_bucket[1] = 0;  // an open end stays 0
       }
-      const Key* keys = sample_keys + r * sample_cap;  // 16-byte aligned (sample_cap: whole vectors)
-      int done = 0;
-      for (int level = 0; level < digits_for(KT::kBits); ++level) {
-        const int bits = KT::kBits - done < kDigitBits ? KT::kBits - done : kDigitBits;
-        const int shift = KT::kBits - done - bits;
-        if (level == 0) {  // both ends share the first digit's histogram
-          for (int j = threadIdx.x; j < kBins; j += blockDim.x) hist[0][j] = hist[1][j] = sample_hist[r * kBins + j];
-          __syncthreads();
-        } else {
-          for (int j = threadIdx.x; j < 2 * kBins; j += blockDim.x) hist[j / kBins][j % kBins] = 0;
-          __syncthreads();
-          const Key p0 = static_cast<Key>(s_prefix[0]), p1 = static_cast<Key>(s_prefix[1]);
-          const bool want0 = s_rank[0] >= 0 && s_rank[0] < g.count, want1 = s_rank[1] >= 0 && s_rank[1] < g.count;
-          // The kept keys, 16 bytes per load, kBatch loads in flight per thread.
-          constexpr int kPer = 16 / sizeof(Key), kBatch = 4;
-          const int64_t vecs = (g.count + kPer - 1) / kPer;
-          for (int64_t base = threadIdx.x; base < vecs; base += int64_t(kBatch) * blockDim.x) {
-            uint4 raw[kBatch];
+      __syncthreads();
+      // This block's share of the sample: each gather is its own memory transaction, so all
+      // of a thread's loads are issued before any is used.
+      const auto sample_index = [&](int q) { return (int64_t(blockIdx.x) * kSampleKeys + q) * blockDim.x + threadIdx.x; };
+      Key keys[kSampleKeys];
+      {
+        double v[kSampleKeys];
 #pragma unroll
-            for (int b = 0; b < kBatch; ++b) {
-              const int64_t v = base + int64_t(b) * blockDim.x;
-              if (v < vecs) raw[b] = reinterpret_cast<const uint4*>(keys)[v];
-            }
-#pragma unroll
-            for (int b = 0; b < kBatch; ++b) {
-              const int64_t v = base + int64_t(b) * blockDim.x;
-              if (v >= vecs) continue;
-              Key kq[kPer];
-              memcpy(kq, &raw[b], 16);
-#pragma unroll
-              for (int e = 0; e < kPer; ++e) {
-                if (v * kPer + e >= g.count) continue;
-                const Key key = kq[e];  // in the key's width: 64-bit shifts cost fp32 rows twice
-                const int digit = static_cast<int>((key >> shift) & ((Key(1) << bits) - 1));
-                const Key top = key >> (KT::kBits - done);  // done >= kDigitBits here
-                if (want0 && top == p0) atomicAdd(&hist[0][digit], 1u);
-                if (want1 && top == p1) atomicAdd(&hist[1][digit], 1u);
-              }
-            }
-          }
-          __syncthreads();
+        for (int q = 0; q < kSampleKeys; ++q) {
+          const int64_t i = sample_index(q);
+          v[q] = i < g.count ? static_cast<double>(x[r * n + g.offset + i * g.stride]) : 0.0;
         }
+#pragma unroll
+        for (int q = 0; q < kSampleKeys; ++q) {
+          const int64_t i = sample_index(q);
+          keys[q] = KT::key(sign * v[q] + t * static_cast<double>(laplace_noise_f(static_cast<uint32_t>(i))));
+          if (i < g.count) atomicAdd(&hist[0][static_cast<int>(static_cast<uint64_t>(keys[q]) >> (KT::kBits - kDigitBits))], 1u);
+        }
+      }
+      // Adds this block's counts of one digit to the row's histogram, then waits for the others.
+      unsigned phase = 0;
+      const auto publish = [&](unsigned* dst, int ends) {
+        __syncthreads();
+        for (int j = threadIdx.x; j < ends * kBins; j += blockDim.x)
+          if (hist[j / kBins][j % kBins] != 0) atomicAdd(&dst[j], hist[j / kBins][j % kBins]);
+        row_barrier(counter, gridDim.x * ++phase);
+      };
+      publish(first, 1);
+      int done = 0;
+      for (int level = 0; level < kDigits; ++level) {
+        const int bits = KT::kBits - done < kDigitBits ? KT::kBits - done : kDigitBits;
+        // This thread's kPer bins of both ends, straight from L2 (16-byte loads, all in flight
+        // together: the digit's one round trip). Both ends share the first digit's counts.
+        const unsigned* src = level == 0 ? first : later + (level - 1) * 2 * kBins;
+        uint4 raw[2][kPer / 4];
+#pragma unroll
+        for (int target = 0; target < 2; ++target)
+#pragma unroll
+          for (int v = 0; v < kPer / 4; ++v)
+            raw[target][v] = __ldcg(reinterpret_cast<const uint4*>(src + (level == 0 ? 0 : target * kBins) +
+                                                                   kPer * threadIdx.x) + v);
+#pragma unroll
         for (int target = 0; target < 2; ++target) {
-          unsigned c[2] = {hist[target][2 * threadIdx.x], hist[target][2 * threadIdx.x + 1]}, e[2];
+          unsigned c[kPer], e[kPer];
+          memcpy(c, raw[target], sizeof(c));
           Scan(scan).ExclusiveSum(c, e);
           const int64_t rank = s_rank[target];
           __syncthreads();
-          for (int q = 0; q < 2; ++q)
+#pragma unroll
+          for (int q = 0; q < kPer; ++q)
             if (rank >= e[q] && rank < static_cast<int64_t>(e[q]) + c[q]) {
               s_rank[target] = rank - e[q];
-              s_prefix[target] = (s_prefix[target] << bits) | static_cast<uint64_t>(2 * threadIdx.x + q);
+              s_prefix[target] = (s_prefix[target] << bits) | static_cast<uint64_t>(kPer * threadIdx.x + q);
+              s_in_bucket[target] = c[q];
             }
           __syncthreads();
         }
         done += bits;
+        // Two digits or more, and each end's bucket holds at most kStopKeys sample keys: the
+        // bucket's outer edge is as good an end as the key (it adds about one sample spacing to
+        // the bracket), and a digit's round trips are saved. The same decision in every block.
+        if (level + 1 == kDigits || (level >= 1 && s_in_bucket[0] <= kStopKeys && s_in_bucket[1] <= kStopKeys)) break;
+        // The next digit of this block's keys under each end's prefix.
+        for (int j = threadIdx.x; j < 2 * kBins; j += blockDim.x) hist[j / kBins][j % kBins] = 0;
+        __syncthreads();
+        const int next_bits = KT::kBits - done < kDigitBits ? KT::kBits - done : kDigitBits;
+        const int next_shift = KT::kBits - done - next_bits;
+        const Key p0 = static_cast<Key>(s_prefix[0]), p1 = static_cast<Key>(s_prefix[1]);
+        const bool want0 = s_rank[0] >= 0 && s_rank[0] < g.count, want1 = s_rank[1] >= 0 && s_rank[1] < g.count;
+#pragma unroll
+        for (int q = 0; q < kSampleKeys; ++q) {
+          if (sample_index(q) >= g.count) continue;
+          const Key key = keys[q];  // in the key's width: 64-bit shifts cost fp32 rows twice
+          const int digit = static_cast<int>((key >> next_shift) & ((Key(1) << next_bits) - 1));
+          const Key top = key >> (KT::kBits - done);  // done >= kDigitBits here
+          if (want0 && top == p0) atomicAdd(&hist[0][digit], 1u);
+          if (want1 && top == p1) atomicAdd(&hist[1][digit], 1u);
+        }
+        publish(later + level * 2 * kBins, 2);
       }
-      // Keys, not buckets: a bucket of the last digit but one would be 2^-13 of the value
-      // wide, far wider than the bracket when |score| >> t.
-      const uint64_t lo = il >= 0 && il < g.count ? s_prefix[0] : 0;
-      const uint64_t hi = iu >= 0 && iu < g.count ? s_prefix[1] : ~uint64_t(0);
+      // Keys, or buckets that hold few sample keys: a bucket of the second digit is 2^-13 of
+      // the value wide, which can be far wider than the bracket when |score| >> t.
+      const int rest = KT::kBits - done;  // bits below the buckets' prefix (0: keys)
+      const uint64_t below = rest == 0 ? 0 : (uint64_t(1) << rest) - 1;
+      const uint64_t lo = il >= 0 && il < g.count ? s_prefix[0] << rest : 0;
+      const uint64_t hi = iu >= 0 && iu < g.count ? (s_prefix[1] << rest) | below : ~uint64_t(0);
       const uint64_t kmin = KT::min_key(), kmax = KT::max_key();
       st.lo_key = lo < kmin ? kmin : (lo > kmax ? kmax : lo);
       st.hi_key = hi < kmin ? kmin : (hi > kmax ? kmax : hi);
       if (st.hi_key < st.lo_key) st.hi_key = st.lo_key;
     }
-    if (threadIdx.x == 0) state[r] = st;
+    if (blockIdx.x == 0 && threadIdx.x == 0) state[r] = st;
     __syncthreads();
   }
 }
@@ -1054,22 +1068,20 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
       cap = cap > per_block ? per_block : cap;
     }
     const auto bytes = [&](int64_t count) { return at::empty({count}, x.options().dtype(at::kByte)); };
+    constexpr int kDigits = digits_for(KeyTraits<scalar_t>::kBits);
+    // One zeroed buffer (one fill): the bins, then propose's first-digit counts and barrier counters.
+    const int64_t hist_bytes = rows * kBins * int64_t(sizeof(BinSums));
+    at::Tensor zeroed = at::zeros({hist_bytes + (sort ? 0 : rows * kFirstHistWords * 4)}, x.options().dtype(at::kByte));
+    at::Tensor later_hist = bytes(sort ? 1 : rows * (kDigits - 1) * 2 * kBins * 4);
     at::Tensor state = bytes(rows * int64_t(sizeof(RowState)));
-    at::Tensor hist = at::zeros({rows * kBins * int64_t(sizeof(BinSums))}, x.options().dtype(at::kByte));
     at::Tensor partial = bytes(rows * chunks * int64_t(sizeof(LevelPartial)));
     const int64_t side_blocks = chunks < kSideBlocks ? chunks : kSideBlocks;
     at::Tensor sides = bytes(rows * side_blocks * int64_t(sizeof(GapSides)));
     at::Tensor counts = bytes(rows * chunks * int64_t(sizeof(unsigned)) + 1);
     at::Tensor middle = at::empty({sort ? 1 : rows * chunks * cap}, x.options().dtype(at::kDouble));
-    using Key = typename KeyTraits<scalar_t>::Key;
-    // offset 0: the largest sample; whole 16-byte vectors per row
-    const int64_t sample_cap = sort ? 0 : (sample_geometry(n, 0).count + 3) / 4 * 4;
-    at::Tensor sample_keys = bytes(rows * sample_cap * int64_t(sizeof(Key)) + 1);
-    at::Tensor sample_hist = at::zeros({sort ? 1 : rows * kBins}, x.options().dtype(at::kInt));
-    auto* keys = reinterpret_cast<Key*>(sample_keys.mutable_data_ptr());
-    auto* sh = reinterpret_cast<unsigned*>(sample_hist.mutable_data_ptr());
+    uint8_t* zp = zeroed.mutable_data_ptr<uint8_t>();
     auto* st = reinterpret_cast<RowState*>(state.mutable_data_ptr());
-    auto* hs = reinterpret_cast<BinSums*>(hist.mutable_data_ptr());
+    auto* hs = reinterpret_cast<BinSums*>(zp);
     auto* lp = reinterpret_cast<LevelPartial*>(partial.mutable_data_ptr());
     auto* sp = reinterpret_cast<GapSides*>(sides.mutable_data_ptr());
     auto* cp = reinterpret_cast<unsigned*>(counts.mutable_data_ptr());
@@ -1077,16 +1089,18 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const unsigned row_blocks = static_cast<unsigned>(rows < 65535 ? rows : 65535);
     const dim3 grid(static_cast<unsigned>(chunks), row_blocks);
-    if (!sort) {
-      const int64_t per_sample_block = int64_t(kSampleThreads) * 4;
-      const int64_t sample_blocks =
-          std::min<int64_t>(kMaxSampleBlocks, (sample_cap + per_sample_block - 1) / per_sample_block);
-      launch_dependent(sample_kernel<scalar_t>, dim3(static_cast<unsigned>(sample_blocks), row_blocks),
-                       kSampleThreads, 0, stream, xp, t.const_data_ptr<double>(), keys, sample_cap, sh, rows, n,
-                       sign);
+    {
+      // Propose: enough blocks per row to hold the largest sample (offset 0) in registers;
+      // rows beyond one wave of blocks loop, so that a row's blocks are all resident.
+      const int64_t per_block = int64_t(kProposeThreads) * kSampleKeys;
+      const int64_t blocks = sort ? 1 : (sample_geometry(n, 0).count + per_block - 1) / per_block;
+      const int64_t wave = int64_t(resident_blocks(propose_kernel<scalar_t>, kProposeThreads, 0, x.get_device())) * sm_count();
+      const int64_t ys = std::max<int64_t>(1, std::min<int64_t>(row_blocks, wave / blocks));
+      launch_dependent(propose_kernel<scalar_t>, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(ys)),
+                       kProposeThreads, 0, stream, xp, k.const_data_ptr<double>(), t.const_data_ptr<double>(), st,
+                       reinterpret_cast<unsigned*>(zp + hist_bytes),
+                       reinterpret_cast<unsigned*>(later_hist.mutable_data_ptr()), rows, n, sign, sort);
     }
-    launch_dependent(propose_kernel<scalar_t>, row_blocks, kProposeThreads, 0, stream, k.const_data_ptr<double>(),
-                     t.const_data_ptr<double>(), st, keys, sample_cap, sh, rows, n, sort);
     // The first level certifies (a bracketed row: two levels, gather then bin); a row sent to
     // the fallback then needs a level per digit.
     const int levels = 2 + digits_for(KeyTraits<scalar_t>::kBits);

@@ -70,8 +70,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <map>
-#include <mutex>
 #include <type_traits>
 #include <utility>
 
@@ -960,36 +958,6 @@ __global__ void __launch_bounds__(kBlock) g_output(Params P) {
 }
 
 // ---- host side ---------------------------------------------------------------------------
-
-// Opt a kernel in to `bytes` of dynamic shared memory once per (kernel, device), so that
-// no CUDA API call other than launches happens on later calls (e.g. under graph capture).
-template <typename Kernel>
-void set_max_dynamic_smem(Kernel kernel, int bytes, int dev) {
-  static std::mutex mu;
-  static std::map<std::pair<const void*, int>, int> done;
-  const std::lock_guard<std::mutex> lock(mu);
-  int& have = done[{reinterpret_cast<const void*>(kernel), dev}];
-  if (bytes <= have) return;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  have = bytes;
-}
-
-// CTAs of `kernel` (kBlock threads, `smem` dynamic bytes) resident per SM, once per
-// (kernel, device): the grid kernels stream in grid-stride loops, so one full wave of CTAs
-// (no partial wave idling most of the GPU at the end) is the right grid.
-template <typename Kernel>
-int resident_blocks(Kernel kernel, int smem, int dev) {
-  static std::mutex mu;
-  static std::map<std::pair<const void*, int>, int> known;
-  const std::lock_guard<std::mutex> lock(mu);
-  int& have = known[{reinterpret_cast<const void*>(kernel), dev}];
-  if (have == 0) {
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&have, kernel, kBlock, smem));
-    have = std::max(have, 1);
-  }
-  return have;
-}
-
 bool use_grid_path(int64_t rows, int64_t n) { return rows <= kGridMaxRows && n >= kGridMinN; }
 
 // Scores as a [rows, n] view with unit inner stride (row pitch kept).
@@ -1009,7 +977,7 @@ void launch(Params P, int64_t rows, const at::Tensor& x) {
     const int stage_bytes = kStageItems * 8;
     set_max_dynamic_smem(g_collect<T, kMask>, stage_bytes, x.get_device());
     set_max_dynamic_smem(g_output<T, kMask>, stage_bytes, x.get_device());
-    const int64_t wave = static_cast<int64_t>(resident_blocks(g_collect<T, kMask>, stage_bytes, x.get_device())) * sms;
+    const int64_t wave = static_cast<int64_t>(resident_blocks(g_collect<T, kMask>, kBlock, stage_bytes, x.get_device())) * sms;
     constexpr int V = 16 / sizeof(T);
     const int64_t max_bpr = std::max<int64_t>(1, (P.n / V + int64_t(kBlock) * kUnroll - 1) / (int64_t(kBlock) * kUnroll));
     P.bpr = std::min<int64_t>(max_bpr, std::max<int64_t>(1, wave / rows));
