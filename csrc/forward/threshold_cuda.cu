@@ -10,9 +10,10 @@
 //           scores inside go to up to 2048 range atoms ("bins"). A bracketed row's first
 //           level only gathers those into the row's middle buffer (one bounded slice per
 //           block, in a deterministic order); every later level of it reads only that.
-//  scan     one CTA per row: folds the tails; on the first binned level checks the certificate
-//           Psi(a_R) <= k <= Psi(a_L) (a failure, or a middle set too big for its slices,
-//           sends the row to the radix fallback over the whole row); then the closed-form
+//  scan     one CTA per row, after every level but a gathering one: folds the tails; on the
+//           first binned level checks the certificate Psi(a_R) <= k <= Psi(a_L) (a failure,
+//           or a middle set too big for its slices, sends the row to the radix fallback
+//           over the whole row); then the closed-form
 //           scan over the bins, in parallel: the root lies in a gap (solve it) or strictly
 //           inside one bin, whose key range the next level refines.
 //  sides    sums of the scores on each side of the final gap against the nearest score,
@@ -59,12 +60,11 @@ constexpr int kMaxSidesSlices = (kMaxChunks + kSideBlocks - 1) / kSideBlocks;  /
 constexpr unsigned kMiddleBlocks = 256;  // blocks per row of a level over the middle set
 
 enum RowStatus : int { kRefineMiddle = 0, kRefineRow = 1, kSolveMiddle = 2, kSolveRow = 3, kDone = 4 };
-// Certification still ahead of a row. kCertifyRow: the next level is the first pass over
-// the row; a bracketed row only gathers its middle set there (the scan after it waits), so
-// that the rare middle scores keep the row pass's loop lean. kCertifyMiddle: the next level
-// bins that gathered set. The scan after the binning level checks the certificate (or
-// settles the row: non-finite scores, k at an end).
-enum Certify : int { kCertified = 0, kCertifyRow = 1, kCertifyMiddle = 2 };
+// Certification still ahead of a row (kCertifyRow) or done. A bracketed row's first level
+// (level 0) only gathers its middle set, so that the rare middle scores keep the row pass's
+// loop lean, and no scan follows it; level 1 bins that set. The scan after a row's first
+// binning level checks the certificate (or settles the row: non-finite scores, k at an end).
+enum Certify : int { kCertified = 0, kCertifyRow = 1 };
 
 struct RowState {
   int status;
@@ -106,6 +106,18 @@ struct BinSums {
 // masses relative to each other even when both are tiny against the gap's ends.
 struct GapSides {
   Atom above, below;
+};
+
+// The same sums in a flat frame (sides_kernel): against the gap's ends, with the nearest
+// score on each side.
+struct FlatSides {
+  double above_count, above_u, above_min, below_count, below_l, below_max;
+};
+struct FlatSidesSum {
+  __device__ FlatSides operator()(const FlatSides& a, const FlatSides& b) const {
+    return FlatSides{a.above_count + b.above_count, a.above_u + b.above_u, fmin(a.above_min, b.above_min),
+                     a.below_count + b.below_count, a.below_l + b.below_l, fmax(a.below_max, b.below_max)};
+  }
 };
 
 struct GapMerge {
@@ -410,7 +422,7 @@ template <typename scalar_t>
 __global__ void __launch_bounds__(kLevelThreads, 2)
 level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state, double* __restrict__ middle,
              unsigned* __restrict__ slice_count, int64_t cap, BinSums* __restrict__ hist,
-             LevelPartial* __restrict__ partial, int64_t rows, int64_t n, double sign) {
+             LevelPartial* __restrict__ partial, int64_t rows, int64_t n, double sign, int level) {
   begin_dependent_grid();
   using KT = KeyTraits<scalar_t>;
   using Key = typename KT::Key;
@@ -426,14 +438,16 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const RowState st = state[r];
     if (st.status != kRefineMiddle && st.status != kRefineRow) continue;  // uniform across the block
-    const bool gather = st.status == kRefineMiddle && st.certify == kCertifyRow;  // no bins
+    const bool gather = st.status == kRefineMiddle && level == 0;  // no bins
+    // binning the gathered set for certification: it adds to the gathering pass's sums
+    const bool bin_first = st.status == kRefineMiddle && st.certify == kCertifyRow && level > 0;
     const bool from_row = st.status == kRefineRow || gather;
     const int64_t slice_id = r * gridDim.x + blockIdx.x;
     // The middle set is small: a wave of blocks reads it (a block's fixed cost, zeroing and
     // flushing 2048 bins, is most of a pass over it). The others add nothing to the sums.
     const unsigned readers = gridDim.x < kMiddleBlocks ? gridDim.x : kMiddleBlocks;
     if (!from_row && blockIdx.x >= readers) {
-      if (threadIdx.x == 0 && st.certify != kCertifyMiddle) partial[slice_id] = LevelPartial{};
+      if (threadIdx.x == 0 && !bin_first) partial[slice_id] = LevelPartial{};
       continue;
     }
     if (!gather)
@@ -630,17 +644,16 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
       // The gathered middle set. Binning it first (certification) also drops the scores that
       // lie outside the range by key (a signed zero at an end): they are summed in the tails
       // here, and later passes over the set must not see them again.
-      const bool first = st.certify == kCertifyMiddle;
       for (int64_t c = blockIdx.x; c < gridDim.x; c += readers) {
         const unsigned count = slice_count[r * gridDim.x + c];
         double* slice = middle + (r * gridDim.x + c) * cap;
         for (unsigned j = threadIdx.x; j < count; j += blockDim.x)
-          if (!consider(slice[j]) && first) slice[j] = -INFINITY;  // skipped by every later pass
+          if (!consider(slice[j]) && bin_first) slice[j] = -INFINITY;  // skipped by every later pass
       }
     }
     const LevelPartial total = Reduce(red).Reduce(acc, LevelPartialSum{});
     if (threadIdx.x == 0)  // binning the gathered set adds to its row pass's sums
-      partial[slice_id] = st.certify == kCertifyMiddle ? LevelPartialSum{}(partial[slice_id], total) : total;
+      partial[slice_id] = bin_first ? LevelPartialSum{}(partial[slice_id], total) : total;
     __syncthreads();
     if (gather) continue;  // no bins
     BinSums* h = hist + r * kBins;
@@ -697,11 +710,6 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     RowState st = state[r];
     if (st.status != kRefineMiddle && st.status != kRefineRow) continue;  // uniform
-    if (st.status == kRefineMiddle && st.certify == kCertifyRow) {  // gathered, bins next
-      __syncthreads();  // every thread has read the state
-      if (threadIdx.x == 0) state[r].certify = kCertifyMiddle;
-      continue;
-    }
     BinSums* h = hist + r * kBins;
     LevelPartial acc{0.0, 0.0, 0.0, 0, 0, 0, 0, 0};
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) acc = LevelPartialSum{}(acc, partial[r * chunks + c]);
@@ -952,18 +960,40 @@ sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
              int64_t rows, int64_t n, double sign) {
   begin_dependent_grid();
   constexpr int V = vec_width<scalar_t>();
-  __shared__ GapSides scratch[kLevelThreads / 32];
+  __shared__ union {
+    GapSides atoms[kLevelThreads / 32];
+    FlatSides flat[kLevelThreads / 32];
+  } scratch;
   __shared__ unsigned s_count[kMaxSidesSlices];
   const Atom none{0, 0, 0, 0, 0};
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const RowState st = state[r];
     if (st.status != kSolveMiddle && st.status != kSolveRow) continue;  // uniform
     const double inv_t = inv_temperature(st.t);
+    // A gathered middle set whose bracket spans at most kFlatSpan temperatures: every term
+    // against the gap's ends is normal, so plain sums (one exponential per score) and the
+    // nearest scores, then one rescale per block to the nearest, make its two atoms.
+    const bool flat = st.status == kSolveMiddle && is_finite(st.gap_lo) && is_finite(st.gap_hi) &&
+                      (st.above0.ref - st.below0.ref) * inv_t <= kFlatSpan;  // uniform
     GapSides acc{none, none};
+    FlatSides fa{0.0, 0.0, INFINITY, 0.0, 0.0, -INFINITY};
     const auto add = [&](double s) {
       if (!is_finite(s)) return;
-      if (s >= st.gap_hi) atom_add(acc.above, s, inv_t);
-      else if (s <= st.gap_lo) atom_add(acc.below, s, inv_t);
+      if (flat) {
+        if (s >= st.gap_hi) {
+          fa.above_count += 1.0;
+          fa.above_u += exp((st.gap_hi - s) * inv_t);
+          fa.above_min = fmin(fa.above_min, s);
+        } else if (s <= st.gap_lo) {
+          fa.below_count += 1.0;
+          fa.below_l += exp((s - st.gap_lo) * inv_t);
+          fa.below_max = fmax(fa.below_max, s);
+        }
+      } else if (s >= st.gap_hi) {
+        atom_add(acc.above, s, inv_t);
+      } else if (s <= st.gap_lo) {
+        atom_add(acc.below, s, inv_t);
+      }
     };
     if (st.status == kSolveRow) {
       const scalar_t* xr = x + r * n;
@@ -998,8 +1028,21 @@ sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
           if (j0 + b * blockDim.x < total_count) add(v[b]);
       }
     }
-    const GapSides total = tree_reduce<kLevelThreads>(acc, GapMerge{inv_t}, scratch);
-    if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x] = total;
+    if (flat) {
+      const FlatSides f = tree_reduce<kLevelThreads>(fa, FlatSidesSum{}, scratch.flat);
+      if (threadIdx.x == 0) {
+        GapSides g{none, none};
+        // e^{(gap_hi - s)/t} = e^{(gap_hi - min)/t} e^{(min - s)/t}: the nearest score's term is 1
+        if (f.above_count > 0.0)
+          g.above = Atom{f.above_min, f.above_min, f.above_count, f.above_u * exp((f.above_min - st.gap_hi) * inv_t), 0.0};
+        if (f.below_count > 0.0)
+          g.below = Atom{f.below_max, f.below_max, f.below_count, 0.0, f.below_l * exp((st.gap_lo - f.below_max) * inv_t)};
+        partial[r * gridDim.x + blockIdx.x] = g;
+      }
+    } else {
+      const GapSides total = tree_reduce<kLevelThreads>(acc, GapMerge{inv_t}, scratch.atoms);
+      if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x] = total;
+    }
     __syncthreads();
   }
 }
@@ -1109,7 +1152,8 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     int64_t* dp = diag.mutable_data_ptr<int64_t>();
     for (int level = 0; level < levels; ++level) {
       launch_dependent(level_kernel<scalar_t>, grid, kLevelThreads, 0, stream, xp, st, mp, cp, cap, hs, lp, rows, n,
-                       sign);
+                       sign, level);
+      if (level == 0 && !sort) continue;  // gathered only: level 1 bins the set
       launch_dependent(scan_kernel<scalar_t>, row_blocks, kScanThreads, 0, stream, st, hs, lp,
                        static_cast<int>(chunks), k.const_data_ptr<double>(), bp, ep, dp, rows, n, sign);
     }
