@@ -17,8 +17,7 @@
 //           scan over the bins, in parallel: the root lies in a gap (solve it) or strictly
 //           inside one bin, whose key range the next level refines.
 //  sides    sums of the scores on each side of the final gap against the nearest score,
-//           with fixed-order reductions; the row's last block to finish folds them and
-//           solves.
+//           with fixed-order reductions; solve: one CTA per row folds them and solves.
 // Bins are summed with float atomics: they only locate the root. Every number the root is
 // computed from is reduced in a fixed order, so the answer is the same on every run.
 #include <ATen/Dispatch.h>
@@ -54,6 +53,7 @@ constexpr int kProposeThreads = 256;
 constexpr int kSampleKeys = 8;  // sample keys per propose thread, kept in registers
 constexpr unsigned kStopKeys = 2;  // propose stops at a bucket with at most this many sample keys
 constexpr int64_t kFirstHistWords = kBins + 32;  // per row: the first digit's counts, the barrier counter
+constexpr int kSolveThreads = 256;
 constexpr int64_t kMaxChunks = 1024;  // blocks per row in the row-wide passes
 constexpr int64_t kSideBlocks = 128;  // blocks per row of the sides pass
 constexpr int kMaxSidesSlices = (kMaxChunks + kSideBlocks - 1) / kSideBlocks;  // middle slices per sides block
@@ -951,50 +951,13 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
 
 // ---- sides and solve ----------------------------------------------------------------------
 
-// The row's partials folded in a fixed order, the scores outside the bracket added, and the
-// closed form on the final gap; the row is done. All threads of the block call it.
-__device__ void solve_row(RowState st, int64_t r, const GapSides* partial, int parts, GapSides* scratch,
-                          RowState* __restrict__ state, double* __restrict__ b_out, double* __restrict__ edge_out,
-                          int64_t* __restrict__ diag, double sign) {
-  const Atom none{0, 0, 0, 0, 0};
-  const double inv_t = inv_temperature(st.t);
-  const GapMerge merge{inv_t};
-  GapSides acc{none, none};
-  for (int c = threadIdx.x; c < parts; c += blockDim.x) {
-    GapSides p;  // from L2: written by other blocks of this grid
-    const double* src = reinterpret_cast<const double*>(partial + c);
-    double* dst = reinterpret_cast<double*>(&p);
-#pragma unroll
-    for (int q = 0; q < int(sizeof(GapSides) / sizeof(double)); ++q) dst[q] = __ldcg(src + q);
-    acc = merge(acc, p);
-  }
-  GapSides g = tree_reduce<kLevelThreads>(acc, merge, scratch);
-  if (threadIdx.x == 0) {
-    if (st.status == kSolveMiddle) {  // the scores outside the bracket
-      if (st.above0.count > 0.0)
-        atom_merge(g.above, Atom{st.above0.ref, st.above0.ref, st.above0.count, st.above0.sum, 0.0}, inv_t);
-      if (st.below0.sum > 0.0) atom_merge(g.below, Atom{st.below0.ref, st.below0.ref, 1.0, 0.0, st.below0.sum}, inv_t);
-    }
-    const double hi = g.above.count > 0.0 ? g.above.lo : INFINITY;
-    const double lo = g.below.count > 0.0 ? g.below.hi : -INFINITY;
-    b_out[r] = sign * solve_interval(g.above.count, g.above.U, g.below.L, hi, lo, st.k, st.t);
-    edge_out[r] = 1.0;
-    diag[3 * r] = st.path;
-    diag[3 * r + 1] = st.middle;
-    diag[3 * r + 2] = st.attempts;
-    st.status = kDone;
-    state[r] = st;
-  }
-}
-
 // Grid: [sides blocks, rows]; block j covers the middle slices (or row tiles) j, j + gridDim.x, ...
 // Fewer blocks than the level passes: the merges of the block reductions cost exps.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kLevelThreads)
-sides_kernel(const scalar_t* __restrict__ x, RowState* __restrict__ state, const double* __restrict__ middle,
+sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state, const double* __restrict__ middle,
              const unsigned* __restrict__ slice_count, int64_t cap, int chunks, GapSides* __restrict__ partial,
-             unsigned* __restrict__ arrivals, double* __restrict__ b_out, double* __restrict__ edge_out,
-             int64_t* __restrict__ diag, int64_t rows, int64_t n, double sign) {
+             int64_t rows, int64_t n, double sign) {
   begin_dependent_grid();
   constexpr int V = vec_width<scalar_t>();
   __shared__ union {
@@ -1002,7 +965,6 @@ sides_kernel(const scalar_t* __restrict__ x, RowState* __restrict__ state, const
     FlatSides flat[kLevelThreads / 32];
   } scratch;
   __shared__ unsigned s_count[kMaxSidesSlices];
-  __shared__ bool s_last;
   const Atom none{0, 0, 0, 0, 0};
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const RowState st = state[r];
@@ -1081,21 +1043,44 @@ sides_kernel(const scalar_t* __restrict__ x, RowState* __restrict__ state, const
       const GapSides total = tree_reduce<kLevelThreads>(acc, GapMerge{inv_t}, scratch.atoms);
       if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x] = total;
     }
-    // The row's last block to finish solves it (no launch of its own): the others' partials
-    // are visible to it after their fences and its arrival.
-    if (threadIdx.x == 0) {
-      __threadfence();
-      s_last = atomicAdd(&arrivals[r], 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (s_last) {
-      __threadfence();
-      solve_row(st, r, partial + r * gridDim.x, gridDim.x, scratch.atoms, state, b_out, edge_out, diag, sign);
-    }
     __syncthreads();
   }
 }
 
+__global__ void __launch_bounds__(kSolveThreads)
+solve_kernel(RowState* __restrict__ state, const GapSides* __restrict__ partial, int parts,
+             double* __restrict__ b_out, double* __restrict__ edge_out, int64_t* __restrict__ diag, int64_t rows,
+             double sign) {
+  begin_dependent_grid();
+  __shared__ GapSides scratch[kSolveThreads / 32];
+  const Atom none{0, 0, 0, 0, 0};
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    RowState st = state[r];
+    if (st.status != kSolveMiddle && st.status != kSolveRow) continue;  // uniform
+    const double inv_t = inv_temperature(st.t);
+    const GapMerge merge{inv_t};
+    GapSides acc{none, none};
+    for (int c = threadIdx.x; c < parts; c += blockDim.x) acc = merge(acc, partial[r * parts + c]);
+    GapSides g = tree_reduce<kSolveThreads>(acc, merge, scratch);
+    if (threadIdx.x == 0) {
+      if (st.status == kSolveMiddle) {  // the scores outside the bracket
+        if (st.above0.count > 0.0)
+          atom_merge(g.above, Atom{st.above0.ref, st.above0.ref, st.above0.count, st.above0.sum, 0.0}, inv_t);
+        if (st.below0.sum > 0.0) atom_merge(g.below, Atom{st.below0.ref, st.below0.ref, 1.0, 0.0, st.below0.sum}, inv_t);
+      }
+      const double hi = g.above.count > 0.0 ? g.above.lo : INFINITY;
+      const double lo = g.below.count > 0.0 ? g.below.hi : -INFINITY;
+      b_out[r] = sign * solve_interval(g.above.count, g.above.U, g.below.L, hi, lo, st.k, st.t);
+      edge_out[r] = 1.0;
+      diag[3 * r] = st.path;
+      diag[3 * r + 1] = st.middle;
+      diag[3 * r + 2] = st.attempts;
+      st.status = kDone;
+      state[r] = st;
+    }
+    __syncthreads();
+  }
+}
 
 }  // namespace
 
@@ -1127,12 +1112,9 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     }
     const auto bytes = [&](int64_t count) { return at::empty({count}, x.options().dtype(at::kByte)); };
     constexpr int kDigits = digits_for(KeyTraits<scalar_t>::kBits);
-    // One zeroed buffer (one fill): the bins, the sides blocks' arrival counters, then
-    // propose's first-digit counts and barrier counters.
+    // One zeroed buffer (one fill): the bins, then propose's first-digit counts and barrier counters.
     const int64_t hist_bytes = rows * kBins * int64_t(sizeof(BinSums));
-    const int64_t arrival_bytes = (rows * 4 + 15) / 16 * 16;
-    at::Tensor zeroed = at::zeros({hist_bytes + arrival_bytes + (sort ? 0 : rows * kFirstHistWords * 4)},
-                                  x.options().dtype(at::kByte));
+    at::Tensor zeroed = at::zeros({hist_bytes + (sort ? 0 : rows * kFirstHistWords * 4)}, x.options().dtype(at::kByte));
     at::Tensor later_hist = bytes(sort ? 1 : rows * (kDigits - 1) * 2 * kBins * 4);
     at::Tensor state = bytes(rows * int64_t(sizeof(RowState)));
     at::Tensor partial = bytes(rows * chunks * int64_t(sizeof(LevelPartial)));
@@ -1159,7 +1141,7 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
       const int64_t ys = std::max<int64_t>(1, std::min<int64_t>(row_blocks, wave / blocks));
       launch_dependent(propose_kernel<scalar_t>, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(ys)),
                        kProposeThreads, 0, stream, xp, k.const_data_ptr<double>(), t.const_data_ptr<double>(), st,
-                       reinterpret_cast<unsigned*>(zp + hist_bytes + arrival_bytes),
+                       reinterpret_cast<unsigned*>(zp + hist_bytes),
                        reinterpret_cast<unsigned*>(later_hist.mutable_data_ptr()), rows, n, sign, sort);
     }
     // The first level certifies (a bracketed row: two levels, gather then bin); a row sent to
@@ -1176,8 +1158,9 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
                        static_cast<int>(chunks), k.const_data_ptr<double>(), bp, ep, dp, rows, n, sign);
     }
     launch_dependent(sides_kernel<scalar_t>, dim3(static_cast<unsigned>(side_blocks), row_blocks), kLevelThreads, 0,
-                     stream, xp, st, mp, cp, cap, static_cast<int>(chunks), sp, reinterpret_cast<unsigned*>(zp + hist_bytes),
-                     bp, ep, dp, rows, n, sign);
+                     stream, xp, st, mp, cp, cap, static_cast<int>(chunks), sp, rows, n, sign);
+    launch_dependent(solve_kernel, row_blocks, kSolveThreads, 0, stream, st, sp, static_cast<int>(side_blocks), bp, ep,
+                     dp, rows, sign);
   });
 }
 
