@@ -45,7 +45,7 @@ for step in $STEPS; do
     profile_topk) FASTLAPSUM_DEPENDENT_LAUNCH=0 run profile_topk 120 $PY benchmarks/profile_kernels.py --op topk --sizes ${PROFILE_TOPK_SIZES:-1e6 1e8 1e9} && FASTLAPSUM_DEPENDENT_LAUNCH=0 $PY benchmarks/profile_kernels.py --op topk --rows 2048 --sizes 131072 --k 2048 >> "$L/profile_topk.log" ;;
     ncu)  # per-kernel hardware counters of one forward+backward at each size (if ncu exists)
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
-      [ -n "$NCU" ] && run ncu 300 "$NCU" -k "${NCU_KERNELS:-regex:^(propose|level|scan|sides|lapsum_mask|lapsum_mask_f32|vjp_reduce|vjp_apply|short_rows)_kernel}" --section SpeedOfLight \
+      [ -n "$NCU" ] && run ncu 300 "$NCU" -k "${NCU_KERNELS:-regex:^(propose|level|scan|sides|solve|lapsum_mask|lapsum_mask_f32|vjp_reduce|vjp_apply|short_rows)_kernel}" --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats --metrics "$NCU_METRICS" ${NCU_EXTRA:-} \
         $PY benchmarks/profile_kernels.py --sizes ${NCU_SIZES:-1e6 1e8} --warmup 0 --calls 1 --bare \
         || echo "ncu: not found or failed" ;;
