@@ -54,26 +54,32 @@ struct MaskProbF32 {
   }
 };
 
+// One row's mask in fp64 arithmetic: fp64 rows, the log mask, and the rows MaskProbF32
+// cannot take.
+template <typename scalar_t, bool kLog>
+__device__ __forceinline__ void mask_row_f64(const scalar_t* __restrict__ xr, scalar_t* __restrict__ pr, int64_t n,
+                                             double sign, double br, double tr, double er) {
+  constexpr int V = vec_width<scalar_t>();
+  const double inv_t = inv_temperature(tr);
+  const bool aligned = is_aligned16(pr);
+  stream_row<scalar_t>(xr, nullptr, n, [&](const double(&xv)[V], const double(&)[V], int valid, int64_t i0) {
+    double o[V];
+#pragma unroll
+    for (int q = 0; q < V; ++q) {
+      const double s = sign * xv[q];
+      o[q] = kLog ? lapsum_log_prob(s, br, tr, er) : mask_prob<scalar_t>(s, br, tr, inv_t, er);
+    }
+    store_vec<scalar_t, V>(pr, n, i0, aligned && valid == V, o);
+  });
+}
+
 template <typename scalar_t, bool kLog>
 __global__ void lapsum_mask_kernel(const scalar_t* __restrict__ x, const double* __restrict__ b,
                                    const double* __restrict__ t, const double* __restrict__ edge,
                                    scalar_t* __restrict__ p, int64_t rows, int64_t n, double sign) {
   begin_dependent_grid();
-  constexpr int V = vec_width<scalar_t>();
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const double br = sign * b[r], tr = t[r], inv_t = inv_temperature(tr), er = edge[r];
-    scalar_t* pr = p + r * n;
-    const bool aligned = is_aligned16(pr);
-    stream_row<scalar_t>(x + r * n, nullptr, n, [&](const double(&xv)[V], const double(&)[V], int valid, int64_t i0) {
-      double o[V];
-#pragma unroll
-      for (int q = 0; q < V; ++q) {
-        const double s = sign * xv[q];
-        o[q] = kLog ? lapsum_log_prob(s, br, tr, er) : mask_prob<scalar_t>(s, br, tr, inv_t, er);
-      }
-      store_vec<scalar_t, V>(pr, n, i0, aligned && valid == V, o);
-    });
-  }
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
+    mask_row_f64<scalar_t, kLog>(x + r * n, p + r * n, n, sign, sign * b[r], t[r], edge[r]);
 }
 
 // The soft mask of fp32/fp16/bf16 rows by MaskProbF32 (rows it cannot take: the fp64 math),
@@ -86,25 +92,20 @@ lapsum_mask_f32_kernel(const scalar_t* __restrict__ x, const double* __restrict_
   begin_dependent_grid();
   constexpr int V = vec_width<scalar_t>();
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const double br = sign * b[r], tr = t[r], inv_t = inv_temperature(tr), er = edge[r];
+    const double br = sign * b[r], inv_t = inv_temperature(t[r]);
     scalar_t* pr = p + r * n;
-    const bool aligned = is_aligned16(pr);
-    if (MaskProbF32::usable(br, inv_t)) {  // uniform across the block
-      const MaskProbF32 prob(sign, br, inv_t);
-      stream_row<scalar_t, float, 24 / V>(x + r * n, nullptr, n, [&](const float(&xv)[V], const float(&)[V], int valid, int64_t i0) {
-        float o[V];
-#pragma unroll
-        for (int q = 0; q < V; ++q) o[q] = prob(xv[q]);
-        store_vec<scalar_t, V>(pr, n, i0, aligned && valid == V, o);
-      });
-    } else {
-      stream_row<scalar_t>(x + r * n, nullptr, n, [&](const double(&xv)[V], const double(&)[V], int valid, int64_t i0) {
-        double o[V];
-#pragma unroll
-        for (int q = 0; q < V; ++q) o[q] = mask_prob<scalar_t>(sign * xv[q], br, tr, inv_t, er);
-        store_vec<scalar_t, V>(pr, n, i0, aligned && valid == V, o);
-      });
+    if (!MaskProbF32::usable(br, inv_t)) {  // uniform across the block
+      mask_row_f64<scalar_t, false>(x + r * n, pr, n, sign, br, t[r], edge[r]);
+      continue;
     }
+    const MaskProbF32 prob(sign, br, inv_t);
+    const bool aligned = is_aligned16(pr);
+    stream_row<scalar_t, float, 24 / V>(x + r * n, nullptr, n, [&](const float(&xv)[V], const float(&)[V], int valid, int64_t i0) {
+      float o[V];
+#pragma unroll
+      for (int q = 0; q < V; ++q) o[q] = prob(xv[q]);
+      store_vec<scalar_t, V>(pr, n, i0, aligned && valid == V, o);
+    });
   }
 }
 
