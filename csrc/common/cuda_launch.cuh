@@ -64,7 +64,7 @@ int resident_blocks(Kernel kernel, int threads, int smem, int dev) {
 // Programmatic dependent launch (Hopper and later). A kernel launched by launch_dependent may
 // be scheduled while the kernel before it in the stream is still running, so its blocks are
 // resident when that one ends instead of a launch later; in a chain of short kernels (the
-// solver's ~17 launches) that latency is most of the gap between them. Such a kernel must
+// solver's ~13 launches) that latency is most of the gap between them. Such a kernel must
 // start with begin_dependent_grid(): it waits until the previous grid has finished and its
 // writes are visible (a no-op when the launch was not dependent), then lets the next one
 // be scheduled. Every kernel waits for its predecessor, so completion stays transitive.
