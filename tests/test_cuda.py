@@ -91,6 +91,23 @@ def test_soft_matches_cpu(dtype, largest):
         assert hg.double().sum(1).cpu().tolist() == kh.tolist()
 
 
+@pytest.mark.parametrize("largest", [True, False])
+def test_fp32_mask_outside_float_range_matches_cpu(largest):
+    # Long fp32 rows take the fp32 mask kernel, whose float-float argument needs |b| <= 2^100
+    # and 2^-60 <= 1/t <= 2^60; rows past those limits take its fp64 fallback.
+    n = 6000
+    g = gen(11)
+    x = torch.stack([torch.randn(n, generator=g, dtype=F64),  # t = 1e25: every p near k/n
+                     torch.randn(n, generator=g, dtype=F64),  # t = 1e-25: a hard mask
+                     1e31 * torch.randn(n, generator=g, dtype=F64)])  # |b| > 2^100, t = 1e30
+    k = torch.tensor([n / 16, 100.0, n / 3], dtype=F64)  # t = 1e-25: b anywhere in a gap gives 0/1
+    t = torch.tensor([1e25, 1e-25, 1e30], dtype=F64)
+    pc = fastlapsum.soft_topk(x.float(), k, t, largest=largest)
+    pg = fastlapsum.soft_topk(x.float().cuda(), k.cuda(), t.cuda(), largest=largest)
+    torch.testing.assert_close(pg.cpu().double(), pc.double(), rtol=0, atol=P_TOL[torch.float32])
+    assert budget_error(pg, k.cuda()) <= BUDGET_TOL[torch.float32]
+
+
 @pytest.mark.parametrize("n", [1000, 4096])  # the on-chip sort solver's two shapes
 def test_subnormal_temperature_matches_cpu(n):
     # fp64 scores and t in the subnormal range: 1/t overflows (inv_temperature caps it), so the
