@@ -10,8 +10,8 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
-#include <tuple>
 #include <string>
+#include <tuple>
 #include <utility>
 
 namespace fastlapsum {
@@ -28,14 +28,16 @@ inline int sm_count() {
 }
 
 // Facts about a kernel on a device, looked up once (under one lock) and remembered, so that
-// later calls (e.g. under graph capture) make no CUDA API call other than launches.
+// later calls (e.g. under graph capture) make no CUDA API call other than launches. Keyed
+// by (kernel, device, threads, smem bytes); threads = 0 holds the dynamic shared memory the
+// kernel is opted in to. 0 until set.
 inline std::mutex& kernel_facts_mutex() {
   static std::mutex mu;
   return mu;
 }
-inline int& kernel_fact(const void* kernel, int dev, int kind, int arg) {  // 0 until set
+inline int& kernel_fact(const void* kernel, int dev, int threads, int smem) {
   static std::map<std::tuple<const void*, int, int, int>, int> facts;
-  return facts[{kernel, dev, kind, arg}];
+  return facts[{kernel, dev, threads, smem}];
 }
 
 // Opts a kernel in to `bytes` of dynamic shared memory.

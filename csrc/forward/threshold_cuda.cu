@@ -290,6 +290,8 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
   __shared__ uint64_t s_prefix[2];
   __shared__ int64_t s_rank[2];
   __shared__ unsigned s_in_bucket[2];  // sample keys in each end's bucket so far
+  // bits of the digit that follows the first `done` bits of a key
+  const auto digit_bits = [](int done) { return KT::kBits - done < kDigitBits ? KT::kBits - done : kDigitBits; };
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const double k = k_in[r], t = t_in[r], nn = static_cast<double>(n);
     RowState st{};
@@ -350,7 +352,7 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
       publish(first, 1);
       int done = 0;
       for (int level = 0; level < kDigits; ++level) {
-        const int bits = KT::kBits - done < kDigitBits ? KT::kBits - done : kDigitBits;
+        const int bits = digit_bits(done);
         // This thread's kPer bins of both ends, straight from L2 (16-byte loads, all in flight
         // together: the digit's one round trip). Both ends share the first digit's counts.
         const unsigned* src = level == 0 ? first : later + (level - 1) * 2 * kBins;
@@ -385,7 +387,7 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
         // The next digit of this block's keys under each end's prefix.
         for (int j = threadIdx.x; j < 2 * kBins; j += blockDim.x) hist[j / kBins][j % kBins] = 0;
         __syncthreads();
-        const int next_bits = KT::kBits - done < kDigitBits ? KT::kBits - done : kDigitBits;
+        const int next_bits = digit_bits(done);
         const int next_shift = KT::kBits - done - next_bits;
         const Key p0 = static_cast<Key>(s_prefix[0]), p1 = static_cast<Key>(s_prefix[1]);
         const bool want0 = s_rank[0] >= 0 && s_rank[0] < g.count, want1 = s_rank[1] >= 0 && s_rank[1] < g.count;
@@ -1146,7 +1148,7 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     }
     // The first level certifies (a bracketed row: two levels, gather then bin); a row sent to
     // the fallback then needs a level per digit.
-    const int levels = 2 + digits_for(KeyTraits<scalar_t>::kBits);
+    const int levels = 2 + kDigits;
     double* bp = b.mutable_data_ptr<double>();
     double* ep = edge.mutable_data_ptr<double>();
     int64_t* dp = diag.mutable_data_ptr<int64_t>();
