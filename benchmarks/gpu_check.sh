@@ -4,7 +4,7 @@
 # plots go to $OUT, packed into $OUT/gpu_check.tgz (the device tool brings back only a
 # few files) next to summary.txt.
 #   device run:  bash benchmarks/gpu_check.sh     (STEPS="build test demo bench bench_hard")
-# Knobs: STEPS (also profile, profile_topk, ncu, ncu_hard, ncu_source, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
+# Knobs: STEPS (also profile, timeline, profile_topk, ncu, ncu_hard, ncu_source, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
 # NCU_KERNELS, NCU_SIZES, NCU_HARD_SHAPE, NCU_HARD_K, NCU_METRICS, NCU_EXTRA (e.g. --section SourceCounters),
 # NCU_SRC_KERNEL, NCU_SRC_SKIP, NCU_SRC_CMD (step ncu_source), BUDGET (seconds for the whole script).
 # PYTEST_EXTRA, BENCH_ARGS, BENCH_HARD_ARGS, TP_ARGS, GS_ARGS, L0_ARGS.
@@ -42,6 +42,8 @@ for step in $STEPS; do
     bench) run bench_soft "${BENCH_TIMEOUT:-420}" $PY benchmarks/bench_soft_topk.py ${BENCH_ARGS:-} --out "$L/soft_topk_h200.json" ;;
     bench_hard) run bench_hard "${BENCH_TIMEOUT:-420}" $PY benchmarks/bench_hard_topk.py ${BENCH_HARD_ARGS:-} --out "$L/hard_topk_h200.json" ;;
     profile) FASTLAPSUM_DEPENDENT_LAUNCH=0 run profile 120 $PY benchmarks/profile_kernels.py --sizes ${PROFILE_SIZES:-1e6 1e8} && FASTLAPSUM_DEPENDENT_LAUNCH=0 $PY benchmarks/profile_kernels.py --rows 16 --sizes 4096 >> "$L/profile.log" ;;
+    timeline)  # each launch of one soft forward in order, without and with dependent launches
+      run timeline 120 bash -c "for pdl in 0 1; do echo \"## FASTLAPSUM_DEPENDENT_LAUNCH=\$pdl\"; FASTLAPSUM_DEPENDENT_LAUNCH=\$pdl $PY benchmarks/profile_kernels.py --forward --timeline --sizes ${PROFILE_SIZES:-1e6 1e8}; done" ;;
     profile_topk) FASTLAPSUM_DEPENDENT_LAUNCH=0 run profile_topk 120 $PY benchmarks/profile_kernels.py --op topk --sizes ${PROFILE_TOPK_SIZES:-1e6 1e8 1e9} && FASTLAPSUM_DEPENDENT_LAUNCH=0 $PY benchmarks/profile_kernels.py --op topk --rows 2048 --sizes 131072 --k 2048 >> "$L/profile_topk.log" ;;
     ncu)  # per-kernel hardware counters of one forward+backward at each size (if ncu exists)
       NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)

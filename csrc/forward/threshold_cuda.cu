@@ -120,6 +120,12 @@ struct FlatSidesSum {
   }
 };
 
+// One sides block's share of a row: flat sums, or atoms (see flat_sides).
+union SidesPartial {
+  GapSides atoms;
+  FlatSides flat;
+};
+
 struct GapMerge {
   double inv_t;
   __device__ GapSides operator()(GapSides a, const GapSides& b) const {
@@ -231,22 +237,30 @@ __device__ inline BinKeys bin_keys(uint64_t lo, uint64_t hi, int shift, int bin)
   return BinKeys{first, last_full > hi || last_full < first ? hi : last_full};
 }
 
+// A level's bins over a range that spans at most kFlatSpan temperatures hold their sums
+// against the range's ends (BinSums::U against a_lo, L against a_hi: each block converts its
+// edge-relative sums once when it adds them), so the scan's flat path reads them as they are.
+__device__ inline bool flat_range(double a_lo, double a_hi, double inv_t) { return (a_hi - a_lo) * inv_t <= kFlatSpan; }
+
 template <typename KT>
-__device__ inline FlatAtom flat_bin(const BinSums& h, uint64_t lo, uint64_t hi, int shift, int bin, const FlatFrame& f) {
+__device__ inline FlatAtom flat_bin(const BinSums& h, uint64_t lo, uint64_t hi, int shift, int bin) {
   if (h.count == 0) return FlatAtom{0.0, 0.0, 0.0, INFINITY, -INFINITY};
   using Key = typename KT::Key;
   const BinKeys b = bin_keys(lo, hi, shift, bin);
-  const double e_lo = KT::value(Key(b.first)), e_hi = KT::value(Key(b.last));
-  return FlatAtom{static_cast<double>(h.count), h.U * exp((f.a_lo - e_lo) * f.inv_t), h.L * exp((e_hi - f.a_hi) * f.inv_t),
-                  e_lo, e_hi};
+  return FlatAtom{static_cast<double>(h.count), h.U, h.L, KT::value(Key(b.first)), KT::value(Key(b.last))};
 }
 
+// A bin as an atom (sums against its own edges); `flat` bins are converted back.
 template <typename KT>
-__device__ inline Atom bin_atom(const BinSums& h, uint64_t lo, uint64_t hi, int shift, int bin) {
+__device__ inline Atom bin_atom(const BinSums& h, uint64_t lo, uint64_t hi, int shift, int bin, bool flat,
+                                const FlatFrame& f) {
   if (h.count == 0) return Atom{0, 0, 0, 0, 0};
   using Key = typename KT::Key;
   const BinKeys b = bin_keys(lo, hi, shift, bin);
-  return Atom{KT::value(Key(b.first)), KT::value(Key(b.last)), static_cast<double>(h.count), h.U, h.L};
+  const double e_lo = KT::value(Key(b.first)), e_hi = KT::value(Key(b.last));
+  if (!flat) return Atom{e_lo, e_hi, static_cast<double>(h.count), h.U, h.L};
+  return Atom{e_lo, e_hi, static_cast<double>(h.count), h.U * exp((e_lo - f.a_lo) * f.inv_t),
+              h.L * exp((f.a_hi - e_hi) * f.inv_t)};
 }
 
 // ---- propose -------------------------------------------------------------------------------
@@ -659,11 +673,18 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
     __syncthreads();
     if (gather) continue;  // no bins
     BinSums* h = hist + r * kBins;
+    const bool flat = flat_range(a_lo, a_hi, inv_t);
     for (int j = threadIdx.x; j < kBins; j += blockDim.x) {
       if (s_count[j] == 0) continue;
+      double U = s_U[j], L = s_L[j];
+      if (flat) {  // against the range's ends (see flat_range)
+        const BinKeys e = bin_keys(lo, hi, shift, j);
+        U *= exp((a_lo - KT::value(Key(e.first))) * inv_t);
+        L *= exp((KT::value(Key(e.last)) - a_hi) * inv_t);
+      }
       atomicAdd(&h[j].count, static_cast<unsigned long long>(s_count[j]));
-      atomicAdd(&h[j].U, s_U[j]);
-      atomicAdd(&h[j].L, s_L[j]);
+      atomicAdd(&h[j].U, U);
+      atomicAdd(&h[j].L, L);
     }
     __syncthreads();
   }
@@ -762,8 +783,9 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
       const double inv_t = inv_temperature(t), k = st.k;
       // flat: the lower tail's sum must stay normal against a_hi (a sum below 1e-60, rare,
       // still decides Psi when k is that small)
-      if ((a_hi - a_lo) * inv_t <= kFlatSpan && !(below.sum > 0.0 && below.sum < 1e-60)) {  // uniform
-        const FlatFrame f{a_lo, a_hi, inv_t};
+      const FlatFrame f{a_lo, a_hi, inv_t};
+      const bool flat_bins = flat_range(a_lo, a_hi, inv_t);
+      if (flat_bins && !(below.sum > 0.0 && below.sum < 1e-60)) {  // uniform
         const double drop = exp((a_lo - a_hi) * inv_t);  // the tails' sums against the far end
         const FlatAtom none{0.0, 0.0, 0.0, INFINITY, -INFINITY};
         const double above_tail_u = above.sum * drop, below_tail_l = below.sum * drop;
@@ -774,7 +796,7 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
         FlatAtom group = none;
         int top_bin = -1, bottom_bin = kBins;  // the group's highest / lowest nonempty bin
         for (int q = 0; q < kScanBins; ++q) {
-          const FlatAtom a = flat_bin<KT>(h[base + q], lo, hi, shift, base + q, f);
+          const FlatAtom a = flat_bin<KT>(h[base + q], lo, hi, shift, base + q);
           group = FlatMerge{}(group, a);
           if (a.count > 0.0) {
             top_bin = base + q;
@@ -814,7 +836,7 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
           double run_l = below_g.l;
 #pragma unroll
           for (int q = 0; q < kScanBins; ++q) {
-            a[q] = flat_bin<KT>(h[base + q], lo, hi, shift, base + q, f);
+            a[q] = flat_bin<KT>(h[base + q], lo, hi, shift, base + q);
             below_l[q] = run_l;
             run_l += a[q].l;
           }
@@ -859,7 +881,7 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
         // its bins, so that most threads fold their bins once (exponentials are the cost).
         const int j = static_cast<int>(threadIdx.x), base = kScanBins * j;
         Atom group = none;
-        for (int q = 0; q < kScanBins; ++q) group = merge(group, bin_atom<KT>(h[base + q], lo, hi, shift, base + q));
+        for (int q = 0; q < kScanBins; ++q) group = merge(group, bin_atom<KT>(h[base + q], lo, hi, shift, base + q, flat_bins, f));
         s_group.atom[j] = group;
         Atom below_g, above_r;
         AtomScan(tmp.scan).ExclusiveScan(group, below_g, below_atom, merge);
@@ -899,13 +921,13 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
           for (int q = 0; q < kScanBins; ++q) {
             suf_hi[q] = run.count > 0.0 ? run.hi : -INFINITY;
             suf_L[q] = run.count > 0.0 ? run.L : 0.0;
-            run = merge(run, bin_atom<KT>(h[base + q], lo, hi, shift, base + q));
+            run = merge(run, bin_atom<KT>(h[base + q], lo, hi, shift, base + q, flat_bins, f));
           }
           double gap_lo = below_g.count > 0.0 ? below_g.hi : below.ref, gap_hi = group.lo;
           run = above_g;
           for (int q = kScanBins - 1; q >= 0; --q) {
             const int bin = base + q;
-            const Atom a = bin_atom<KT>(h[bin], lo, hi, shift, bin);
+            const Atom a = bin_atom<KT>(h[bin], lo, hi, shift, bin, flat_bins, f);
             const Atom p = run;
             run = merge(run, a);
             if (a.count == 0.0) continue;
@@ -953,12 +975,20 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
 
 // ---- sides and solve ----------------------------------------------------------------------
 
+// A gathered middle set whose bracket spans at most kFlatSpan temperatures: every term
+// against the gap's ends is normal, so the sides are plain sums (one exponential per score)
+// and the nearest scores, summed in a fixed order; the solve rescales them once.
+__device__ inline bool flat_sides(const RowState& st, double inv_t) {
+  return st.status == kSolveMiddle && is_finite(st.gap_lo) && is_finite(st.gap_hi) &&
+         (st.above0.ref - st.below0.ref) * inv_t <= kFlatSpan;
+}
+
 // Grid: [sides blocks, rows]; block j covers the middle slices (or row tiles) j, j + gridDim.x, ...
 // Fewer blocks than the level passes: the merges of the block reductions cost exps.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kLevelThreads)
 sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state, const double* __restrict__ middle,
-             const unsigned* __restrict__ slice_count, int64_t cap, int chunks, GapSides* __restrict__ partial,
+             const unsigned* __restrict__ slice_count, int64_t cap, int chunks, SidesPartial* __restrict__ partial,
              int64_t rows, int64_t n, double sign) {
   begin_dependent_grid();
   constexpr int V = vec_width<scalar_t>();
@@ -972,11 +1002,7 @@ sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
     const RowState st = state[r];
     if (st.status != kSolveMiddle && st.status != kSolveRow) continue;  // uniform
     const double inv_t = inv_temperature(st.t);
-    // A gathered middle set whose bracket spans at most kFlatSpan temperatures: every term
-    // against the gap's ends is normal, so plain sums (one exponential per score) and the
-    // nearest scores, then one rescale per block to the nearest, make its two atoms.
-    const bool flat = st.status == kSolveMiddle && is_finite(st.gap_lo) && is_finite(st.gap_hi) &&
-                      (st.above0.ref - st.below0.ref) * inv_t <= kFlatSpan;  // uniform
+    const bool flat = flat_sides(st, inv_t);  // uniform
     GapSides acc{none, none};
     FlatSides fa{0.0, 0.0, INFINITY, 0.0, 0.0, -INFINITY};
     const auto add = [&](double s) {
@@ -1032,38 +1058,45 @@ sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
     }
     if (flat) {
       const FlatSides f = tree_reduce<kLevelThreads>(fa, FlatSidesSum{}, scratch.flat);
-      if (threadIdx.x == 0) {
-        GapSides g{none, none};
-        // e^{(gap_hi - s)/t} = e^{(gap_hi - min)/t} e^{(min - s)/t}: the nearest score's term is 1
-        if (f.above_count > 0.0)
-          g.above = Atom{f.above_min, f.above_min, f.above_count, f.above_u * exp((f.above_min - st.gap_hi) * inv_t), 0.0};
-        if (f.below_count > 0.0)
-          g.below = Atom{f.below_max, f.below_max, f.below_count, 0.0, f.below_l * exp((st.gap_lo - f.below_max) * inv_t)};
-        partial[r * gridDim.x + blockIdx.x] = g;
-      }
+      if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x].flat = f;
     } else {
       const GapSides total = tree_reduce<kLevelThreads>(acc, GapMerge{inv_t}, scratch.atoms);
-      if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x] = total;
+      if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x].atoms = total;
     }
     __syncthreads();
   }
 }
 
 __global__ void __launch_bounds__(kSolveThreads)
-solve_kernel(RowState* __restrict__ state, const GapSides* __restrict__ partial, int parts,
+solve_kernel(RowState* __restrict__ state, const SidesPartial* __restrict__ partial, int parts,
              double* __restrict__ b_out, double* __restrict__ edge_out, int64_t* __restrict__ diag, int64_t rows,
              double sign) {
   begin_dependent_grid();
-  __shared__ GapSides scratch[kSolveThreads / 32];
+  __shared__ union {
+    GapSides atoms[kSolveThreads / 32];
+    FlatSides flat[kSolveThreads / 32];
+  } scratch;
   const Atom none{0, 0, 0, 0, 0};
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     RowState st = state[r];
     if (st.status != kSolveMiddle && st.status != kSolveRow) continue;  // uniform
     const double inv_t = inv_temperature(st.t);
-    const GapMerge merge{inv_t};
-    GapSides acc{none, none};
-    for (int c = threadIdx.x; c < parts; c += blockDim.x) acc = merge(acc, partial[r * parts + c]);
-    GapSides g = tree_reduce<kSolveThreads>(acc, merge, scratch);
+    GapSides g{none, none};
+    if (flat_sides(st, inv_t)) {  // uniform
+      FlatSides acc{0.0, 0.0, INFINITY, 0.0, 0.0, -INFINITY};
+      for (int c = threadIdx.x; c < parts; c += blockDim.x) acc = FlatSidesSum{}(acc, partial[r * parts + c].flat);
+      const FlatSides f = tree_reduce<kSolveThreads>(acc, FlatSidesSum{}, scratch.flat);
+      // e^{(gap_hi - s)/t} = e^{(gap_hi - min)/t} e^{(min - s)/t}: the nearest score's term is 1
+      if (f.above_count > 0.0)
+        g.above = Atom{f.above_min, f.above_min, f.above_count, f.above_u * exp((f.above_min - st.gap_hi) * inv_t), 0.0};
+      if (f.below_count > 0.0)
+        g.below = Atom{f.below_max, f.below_max, f.below_count, 0.0, f.below_l * exp((st.gap_lo - f.below_max) * inv_t)};
+    } else {
+      const GapMerge merge{inv_t};
+      GapSides acc{none, none};
+      for (int c = threadIdx.x; c < parts; c += blockDim.x) acc = merge(acc, partial[r * parts + c].atoms);
+      g = tree_reduce<kSolveThreads>(acc, merge, scratch.atoms);
+    }
     if (threadIdx.x == 0) {
       if (st.status == kSolveMiddle) {  // the scores outside the bracket
         if (st.above0.count > 0.0)
@@ -1121,14 +1154,14 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     at::Tensor state = bytes(rows * int64_t(sizeof(RowState)));
     at::Tensor partial = bytes(rows * chunks * int64_t(sizeof(LevelPartial)));
     const int64_t side_blocks = chunks < kSideBlocks ? chunks : kSideBlocks;
-    at::Tensor sides = bytes(rows * side_blocks * int64_t(sizeof(GapSides)));
+    at::Tensor sides = bytes(rows * side_blocks * int64_t(sizeof(SidesPartial)));
     at::Tensor counts = bytes(rows * chunks * int64_t(sizeof(unsigned)) + 1);
     at::Tensor middle = at::empty({sort ? 1 : rows * chunks * cap}, x.options().dtype(at::kDouble));
     uint8_t* zp = zeroed.mutable_data_ptr<uint8_t>();
     auto* st = reinterpret_cast<RowState*>(state.mutable_data_ptr());
     auto* hs = reinterpret_cast<BinSums*>(zp);
     auto* lp = reinterpret_cast<LevelPartial*>(partial.mutable_data_ptr());
-    auto* sp = reinterpret_cast<GapSides*>(sides.mutable_data_ptr());
+    auto* sp = reinterpret_cast<SidesPartial*>(sides.mutable_data_ptr());
     auto* cp = reinterpret_cast<unsigned*>(counts.mutable_data_ptr());
     double* mp = middle.mutable_data_ptr<double>();
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
