@@ -16,8 +16,10 @@
 //           over the whole row); then the closed-form
 //           scan over the bins, in parallel: the root lies in a gap (solve it) or strictly
 //           inside one bin, whose key range the next level refines.
-//  sides    sums of the scores on each side of the final gap against the nearest score,
-//           with fixed-order reductions; solve: one CTA per row folds them and solves.
+//  sides    sums of the scores on each side of the final gap (against the gap's ends when
+//           the bracket is at most kFlatSpan temperatures wide, else as atoms against the
+//           nearest score), with fixed-order reductions; solve: one CTA per row folds them,
+//           rescales to the nearest scores and solves.
 // Bins are summed with float atomics: they only locate the root. Every number the root is
 // computed from is reduced in a fixed order, so the answer is the same on every run.
 #include <ATen/Dispatch.h>
