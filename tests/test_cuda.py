@@ -121,6 +121,26 @@ def test_subnormal_temperature_matches_cpu(n):
     assert budget_error(fastlapsum.soft_topk(x.cuda(), k.cuda(), t.cuda()), k.cuda()) <= BUDGET_TOL[F64]
 
 
+@pytest.mark.parametrize("largest", [True, False])
+def test_fp32_scores_near_zero_match_cpu(largest):
+    # fp32 scores of ~1e-36 (a row half exact zeros, a row of subnormals): every bracket end
+    # lies within 2^-100 of zero, where the gathering pass needs its exact side tests (a
+    # positive difference can be below 2^-126), not the one-multiply ones of ends far from 0
+    g = gen(11)
+    n = 20000
+    x64 = torch.randn(3, n, generator=g, dtype=F64) * 1e-36
+    x64[1] = torch.where(torch.rand(n, generator=g, dtype=F64) < 0.5, 0.0, x64[1])
+    x64[2] *= 1e-3
+    k = torch.tensor([n / 16, n / 3, 100.0], dtype=F64)
+    t = torch.tensor([1e-37, 3e-37, 2e-37], dtype=F64)
+    xc = x64.float()
+    for method in ("auto", "bracket"):
+        pc = fastlapsum.soft_topk(xc, k, t, largest=largest, method=method)
+        pg = fastlapsum.soft_topk(xc.cuda(), k.cuda(), t.cuda(), largest=largest, method=method)
+        torch.testing.assert_close(pg.cpu().double(), pc.double(), rtol=0, atol=P_TOL[torch.float32])
+        assert budget_error(pg, k.cuda()) <= BUDGET_TOL[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nan_rows_match_cpu(dtype):
     x = adversarial_rows(512, seed=3)

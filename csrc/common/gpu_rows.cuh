@@ -67,6 +67,12 @@ struct ScaledExp<double> {
 // at half rate on sm_90.
 __device__ __forceinline__ float positive_indicator(float x) { return __saturatef(x * 0x1p126f * 0x1p126f); }
 __device__ __forceinline__ double positive_indicator(double x) { return x > 0.0 ? 1.0 : 0.0; }
+// The same for x = s - e (or e - s), one rounding of the difference of two floats, when the
+// range end e is at least kFarEnd in magnitude (the usual case): the floats next to e are
+// at least 2^-124 from it, so a positive x is too, and one multiply saturates it.
+constexpr float kFarEnd = 0x1p-100f;
+__device__ __forceinline__ float positive_indicator_far(float x) { return __saturatef(x * 0x1p126f); }
+__device__ __forceinline__ double positive_indicator_far(double x) { return positive_indicator(x); }
 
 // One 16-byte vector of a row kept raw (4 registers) until its elements are used, so a
 // thread can hold several loads in flight without the registers of their converted values.

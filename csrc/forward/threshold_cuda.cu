@@ -548,8 +548,12 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
       // add nothing). A non-finite score poisons a sum (s * 0), and such a tile is looked at
       // again to count its non-finite scores exactly and keep them out of the gather (a NaN
       // makes the tails NaN too; its row is settled as a NaN row at certification).
-      const auto classify = [&](const RawVec<scalar_t>(&vec)[U], int64_t tl, auto gather_tag) -> unsigned {
+      const auto classify = [&](const RawVec<scalar_t>(&vec)[U], int64_t tl, auto gather_tag, auto far_tag) -> unsigned {
         constexpr bool kGather = decltype(gather_tag)::value;
+        const auto side = [](F by) {  // 1 on that side of the range (by > 0), else 0
+          if constexpr (decltype(far_tag)::value) return positive_indicator_far(by);
+          else return positive_indicator(by);
+        };
         constexpr F kMax = std::numeric_limits<F>::max(), kInf = std::numeric_limits<F>::infinity();
         const auto index = [&](int u, int q) { return tl * tile + (int64_t(u) * kLevelThreads + threadIdx.x) * V + q; };
         F above_part = 0, below_part = 0, above_cnt = 0, poison = 0;
@@ -560,11 +564,22 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
           for (int q = 0; q < V; ++q) {
             const int bit = u * V + q;
             const F v = vec[u][q];
-            // s = sign v is exact, so each difference is one rounding of s - end: its sign is exact
-            const F above_by = fma(v, sign_c, -hi_c), below_by = fma(v, -sign_c, lo_c);  // > 0: that side
+            // s = sign v is exact, so each difference is one rounding of s - end: its sign is exact.
+            // Gathering: two subtractions take their range end straight from a uniform register
+            // (two FMAs with sign and end each need a move; the binning loop keeps them, as
+            // its registers are tighter).
+            F above_by, below_by;  // > 0: that side
+            if constexpr (kGather) {
+              const F s = v * sign_c;
+              above_by = s - hi_c;
+              below_by = lo_c - s;
+            } else {
+              above_by = fma(v, sign_c, -hi_c);
+              below_by = fma(v, -sign_c, lo_c);
+            }
             const F out = fmax(above_by, below_by);  // <= 0: inside the range
             const F e = tail_exp(fabs(out));         // e^{-|out|/t}: 0 for +-inf
-            const F is_above = positive_indicator(above_by), is_below = positive_indicator(below_by);
+            const F is_above = side(above_by), is_below = side(below_by);
             above_part = fma(is_above, e, above_part);
             below_part = fma(is_below, e, below_part);
             poison = fma(v, F(0), poison);  // NaN once a score is +-inf or NaN
@@ -616,7 +631,7 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
         return in_bits;
       };
       // Both kinds of pass, each its own compact loop.
-      const auto run_tiles = [&](auto gather_tag) {
+      const auto run_tiles = [&](auto gather_tag, auto far_tag) {
         constexpr bool kGather = decltype(gather_tag)::value;
         RawVec<scalar_t> vec[U];
         int par = 0;  // the scan storage of this tile
@@ -625,7 +640,7 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
           RawVec<scalar_t> next[U];  // a gathering pass prefetches (a binning one has no registers to spare)
           if (!kGather) load_tile(vec, tl);
           else if (tl + gridDim.x < tiles) load_tile(next, tl + gridDim.x);
-          const unsigned in_bits = classify(vec, tl, gather_tag);
+          const unsigned in_bits = classify(vec, tl, gather_tag, far_tag);
           if (kGather) {
             // One block scan per tile keeps the buffer's order deterministic. Its barrier is
             // the tile's only one: a storage is written again only after the barrier of the
@@ -647,8 +662,11 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
             for (int u = 0; u < U; ++u) vec[u] = next[u];
         }
       };
-      if (gather) run_tiles(std::true_type{});
-      else run_tiles(std::false_type{});
+      // Range ends away from zero (uniform): the gathering loop's side tests take one multiply.
+      const bool far = fabs(hi_c) >= F(kFarEnd) && fabs(lo_c) >= F(kFarEnd);
+      if (gather && far) run_tiles(std::true_type{}, std::true_type{});
+      else if (gather) run_tiles(std::true_type{}, std::false_type{});
+      else run_tiles(std::false_type{}, std::false_type{});
       __syncthreads();  // tscan is free again
       acc.above_count += static_cast<double>(above_n);
       acc.pinf += pinf_n;
