@@ -20,14 +20,15 @@ from torch.profiler import ProfilerActivity, profile
 import fastlapsum
 
 
-def make_call(op, rows, n, k, method, forward):
+def make_call(op, rows, n, k, method, forward, describe):
     x = torch.randn(rows, n, device="cuda")
     if op == "topk":
         return lambda: fastlapsum.topk(x, int(k))
     kt = torch.full((rows,), k, dtype=torch.float64, device="cuda")
     t = torch.ones(rows, dtype=torch.float64, device="cuda")
-    info = fastlapsum.lapsum_diagnostics(x, kt, t, method=method)
-    print(f"# paths {info.path.tolist()[:4]} middle {info.middle_size.tolist()[:4]} attempts {info.attempts.tolist()[:4]}")
+    if describe:  # the solver path the timed calls take (not under --bare: an external profiler would count it)
+        info = fastlapsum.lapsum_diagnostics(x, kt, t, method=method)
+        print(f"# paths {info.path.tolist()[:4]} middle {info.middle_size.tolist()[:4]} attempts {info.attempts.tolist()[:4]}")
     if forward:
         return lambda: fastlapsum.soft_topk(x, kt, t, method=method)
     x.requires_grad_()
@@ -52,7 +53,7 @@ def main():
     for nf in args.sizes:
         n = int(nf)
         k = args.k if args.k is not None else n / 16
-        call = make_call(args.op, args.rows, n, k, args.method, args.forward)
+        call = make_call(args.op, args.rows, n, k, args.method, args.forward, args.timeline)
         for _ in range(args.warmup):
             call()
         torch.cuda.synchronize()

@@ -1004,7 +1004,8 @@ __device__ inline bool flat_sides(const RowState& st, double inv_t) {
 }
 
 // Grid: [sides blocks, rows]; block j covers the middle slices (or row tiles) j, j + gridDim.x, ...
-// Fewer blocks than the level passes: the merges of the block reductions cost exps.
+// Fewer blocks than the level passes: for atom rows (not flat_sides) the merges of the block
+// reductions cost exps.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kLevelThreads)
 sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state, const double* __restrict__ middle,
