@@ -236,6 +236,29 @@ def test_bracket_on_long_rows(largest):
     assert (budget_error(p, k) <= BUDGET_TOL[torch.float32]).all()
 
 
+
+@pytest.mark.parametrize("copies", [1, 80, 2000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bracket_root_bin_with_ties(copies, dtype):
+    """Ties packed at the root of a row of 1M scores: copies of the three scores nearest it
+    (80 each: the root's bin holds ~240 tied scores; 2000 each: ~6000, and the middle set
+    doubles). The bracket's binning levels must give the radix bracket's threshold."""
+    n = 1_000_000
+    g = gen(41 + copies)
+    x = torch.randn(n, generator=g, dtype=F64)
+    k = torch.tensor([n / 16], dtype=F64).cuda()
+    t = torch.tensor([1.0], dtype=F64).cuda()
+    b0 = fastlapsum.lapsum_threshold(x.to(dtype).cuda()[None], k, t, method="sort").item()
+    near = x[(x - b0).abs().argsort()[:3]]
+    x[torch.randperm(n, generator=g)[: 3 * copies]] = near.repeat_interleave(copies)
+    xc = x.to(dtype).cuda()[None]
+    bb = fastlapsum.lapsum_threshold(xc, k, t, method="bracket").item()
+    bs = fastlapsum.lapsum_threshold(xc, k, t, method="sort").item()
+    assert abs(bb - bs) <= (1e-6 if dtype == torch.float32 else 1e-9), (bb, bs)
+    p = fastlapsum.soft_topk(xc, k, t, method="bracket")
+    assert (budget_error(p, k) <= BUDGET_TOL[dtype]).all()
+
+
 # ---- CUDA graphs -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [1000, 5000])  # the on-chip path and the bracket

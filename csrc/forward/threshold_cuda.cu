@@ -265,6 +265,28 @@ __device__ inline Atom bin_atom(const BinSums& h, uint64_t lo, uint64_t hi, int 
               h.L * exp((f.a_hi - e_hi) * f.inv_t)};
 }
 
+// Adds one score's terms to a shared-memory bin. Float atomics on shared memory are CAS loops
+// on sm_90, so the lanes of a warp that hit the same bin (ties, a narrow cluster) add theirs
+// together first: one atomic per bin per warp, not one per lane spinning on one word.
+__device__ inline void bin_add_aggregated(unsigned* count, double* U, double* L, int bin, double u, double l) {
+  const unsigned lane = threadIdx.x % 32;
+  const unsigned peers = __match_any_sync(__activemask(), bin);
+  const unsigned leader = __ffs(peers) - 1;
+  if (peers != (1u << lane)) {  // the leader gathers the others' terms, in lane order
+    const double own_u = u, own_l = l;
+    for (unsigned rest = peers & (peers - 1); rest != 0; rest &= rest - 1) {
+      const int src = __ffs(rest) - 1;
+      const double ou = __shfl_sync(peers, own_u, src), ol = __shfl_sync(peers, own_l, src);
+      u += ou;
+      l += ol;
+    }
+    if (lane != leader) return;
+  }
+  atomicAdd(&count[bin], static_cast<unsigned>(__popc(peers)));
+  atomicAdd(&U[bin], u);
+  atomicAdd(&L[bin], l);
+}
+
 // ---- propose -------------------------------------------------------------------------------
 
 // Waits until the row's counter has `target` arrivals: the blocks of one row trade their
@@ -476,7 +498,10 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
     const double a_hi = KT::value(Key(hi)), a_lo = KT::value(Key(lo)), inv_t = inv_temperature(st.t);
     LevelPartial acc{0.0, 0.0, 0.0, 0, 0, 0, 0, 0};
     // Classifies one (signed) score; true when it lies in the key range.
-    const auto consider = [&](double s) -> bool {
+    // aggregate_tag: a whole row's binning pass (the fallback's levels) adds a warp's ties to
+    // a bin together, else they spin on one bin's CAS loop; a middle-set pass does not (few
+    // scores per block, and the warp match measured ~1 us more per such level at 1e6).
+    const auto consider = [&](double s, auto aggregate_tag) -> bool {
       // Most scores lie outside the range: decided by value, without computing a key. The
       // strict comparisons agree with the keys' (keys are monotone and each range end's
       // value has that end's key; the one exception, the key below +0's, decodes to -0,
@@ -512,9 +537,15 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
       }
       const int bin = static_cast<int>((key - lo) >> shift);
       const BinKeys edges = bin_keys(lo, hi, shift, bin);
-      atomicAdd(&s_count[bin], 1u);
-      atomicAdd(&s_U[bin], exp_term<scalar_t>((KT::value(Key(edges.first)) - s) * inv_t));
-      atomicAdd(&s_L[bin], exp_term<scalar_t>((s - KT::value(Key(edges.last))) * inv_t));
+      const double u = exp_term<scalar_t>((KT::value(Key(edges.first)) - s) * inv_t);
+      const double l = exp_term<scalar_t>((s - KT::value(Key(edges.last))) * inv_t);
+      if constexpr (decltype(aggregate_tag)::value) {
+        bin_add_aggregated(s_count, s_U, s_L, bin, u, l);
+      } else {
+        atomicAdd(&s_count[bin], 1u);
+        atomicAdd(&s_U[bin], u);
+        atomicAdd(&s_L[bin], l);
+      }
       acc.middle += 1;
       return true;
     };
@@ -592,7 +623,7 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
               bb = fma(is_below, place, bb);
             } else {
               above_cnt += is_above;
-              if (!(out > F(0)) && index(u, q) < n) consider(static_cast<double>(v * sign_c));
+              if (!(out > F(0)) && index(u, q) < n) consider(static_cast<double>(v * sign_c), std::true_type{});
             }
           }
         acc.above_sum += static_cast<double>(above_part);
@@ -684,7 +715,7 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
         const unsigned count = slice_count[r * gridDim.x + c];
         double* slice = middle + (r * gridDim.x + c) * cap;
         for (unsigned j = threadIdx.x; j < count; j += blockDim.x)
-          if (!consider(slice[j]) && bin_first) slice[j] = -INFINITY;  // skipped by every later pass
+          if (!consider(slice[j], std::false_type{}) && bin_first) slice[j] = -INFINITY;  // skipped by every later pass
       }
     }
     const LevelPartial total = Reduce(red).Reduce(acc, LevelPartialSum{});
