@@ -269,6 +269,11 @@ __device__ inline Atom bin_atom(const BinSums& h, uint64_t lo, uint64_t hi, int 
 // on sm_90, so the lanes of a warp that hit the same bin (ties, a narrow cluster) add theirs
 // together first: one atomic per bin per warp, not one per lane spinning on one word.
 __device__ inline void bin_add_aggregated(unsigned* count, double* U, double* L, int bin, double u, double l) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700  // no warp match before Volta
+  atomicAdd(&count[bin], 1u);
+  atomicAdd(&U[bin], u);
+  atomicAdd(&L[bin], l);
+#else
   const unsigned lane = threadIdx.x % 32;
   const unsigned peers = __match_any_sync(__activemask(), bin);
   const unsigned leader = __ffs(peers) - 1;
@@ -285,6 +290,7 @@ __device__ inline void bin_add_aggregated(unsigned* count, double* U, double* L,
   atomicAdd(&count[bin], static_cast<unsigned>(__popc(peers)));
   atomicAdd(&U[bin], u);
   atomicAdd(&L[bin], l);
+#endif
 }
 
 // ---- propose -------------------------------------------------------------------------------
