@@ -266,31 +266,32 @@ __device__ inline Atom bin_atom(const BinSums& h, uint64_t lo, uint64_t hi, int 
 }
 
 // Adds one score's terms to a shared-memory bin. Float atomics on shared memory are CAS loops
-// on sm_90, so the lanes of a warp that hit the same bin (ties, a narrow cluster) add theirs
-// together first: one atomic per bin per warp, not one per lane spinning on one word.
-__device__ inline void bin_add_aggregated(unsigned* count, double* U, double* L, int bin, double u, double l) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700  // no warp match before Volta
-  atomicAdd(&count[bin], 1u);
-  atomicAdd(&U[bin], u);
-  atomicAdd(&L[bin], l);
-#else
-  const unsigned lane = threadIdx.x % 32;
-  const unsigned peers = __match_any_sync(__activemask(), bin);
-  const unsigned leader = __ffs(peers) - 1;
-  if (peers != (1u << lane)) {  // the leader gathers the others' terms, in lane order
-    const double own_u = u, own_l = l;
-    for (unsigned rest = peers & (peers - 1); rest != 0; rest &= rest - 1) {
-      const int src = __ffs(rest) - 1;
-      const double ou = __shfl_sync(peers, own_u, src), ol = __shfl_sync(peers, own_l, src);
-      u += ou;
-      l += ol;
+// on sm_90; with kAggregate the lanes of a warp that hit the same bin (ties, a narrow
+// cluster) add theirs together first: one atomic per bin per warp, not one per lane spinning
+// on one word. (No warp match before Volta: plain atomics there.)
+template <bool kAggregate>
+__device__ inline void bin_add(unsigned* count, double* U, double* L, int bin, double u, double l) {
+  unsigned lanes = 1;
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700
+  if constexpr (kAggregate) {
+    const unsigned lane = threadIdx.x % 32;
+    const unsigned peers = __match_any_sync(__activemask(), bin);
+    lanes = __popc(peers);
+    if (peers != (1u << lane)) {  // the lowest lane gathers the others' terms, in lane order
+      const double own_u = u, own_l = l;
+      for (unsigned rest = peers & (peers - 1); rest != 0; rest &= rest - 1) {
+        const int src = __ffs(rest) - 1;
+        const double ou = __shfl_sync(peers, own_u, src), ol = __shfl_sync(peers, own_l, src);
+        u += ou;
+        l += ol;
+      }
+      if (lane != static_cast<unsigned>(__ffs(peers) - 1)) return;
     }
-    if (lane != leader) return;
   }
-  atomicAdd(&count[bin], static_cast<unsigned>(__popc(peers)));
+#endif
+  atomicAdd(&count[bin], lanes);
   atomicAdd(&U[bin], u);
   atomicAdd(&L[bin], l);
-#endif
 }
 
 // ---- propose -------------------------------------------------------------------------------
@@ -543,15 +544,9 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
       }
       const int bin = static_cast<int>((key - lo) >> shift);
       const BinKeys edges = bin_keys(lo, hi, shift, bin);
-      const double u = exp_term<scalar_t>((KT::value(Key(edges.first)) - s) * inv_t);
-      const double l = exp_term<scalar_t>((s - KT::value(Key(edges.last))) * inv_t);
-      if constexpr (decltype(aggregate_tag)::value) {
-        bin_add_aggregated(s_count, s_U, s_L, bin, u, l);
-      } else {
-        atomicAdd(&s_count[bin], 1u);
-        atomicAdd(&s_U[bin], u);
-        atomicAdd(&s_L[bin], l);
-      }
+      bin_add<decltype(aggregate_tag)::value>(s_count, s_U, s_L, bin,
+                                              exp_term<scalar_t>((KT::value(Key(edges.first)) - s) * inv_t),
+                                              exp_term<scalar_t>((s - KT::value(Key(edges.last))) * inv_t));
       acc.middle += 1;
       return true;
     };
