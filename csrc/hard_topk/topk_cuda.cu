@@ -222,9 +222,38 @@ __device__ void find_bin(const uint32_t* hist, uint32_t need, typename BlockScan
 }
 
 struct RowShared {
-  typename BlockScan::TempStorage scan[2];  // ordered_row_compact alternates; else [0]
+  typename BlockScan::TempStorage scan[2];  // block_select, find_bin and the output use [0]
+  uint32_t tile_tot[2][kBlock / 32];        // ordered_row_compact: warp totals, two in turn
   FindResult res;
 };
+
+// Exclusive prefix sum of `count` over the CTA's threads in thread order, and the block's
+// total (agg), with one barrier: warp scans by shuffles, the warp totals through `tot`,
+// then each warp scans those totals by shuffles too (cub's warp-scans block scan picks
+// its warp's prefix out of all of them, ~25 more instructions per call, and this runs once
+// per tile of the row kernel's one full pass). `tot` is written before the barrier and read
+// after it: a caller that calls again before another barrier alternates two of them.
+__device__ __forceinline__ uint32_t tile_exclusive_sum(uint32_t count, uint32_t* tot, uint32_t& agg) {
+  constexpr int kWarps = kBlock / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint32_t incl = count;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const uint32_t y = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += y;
+  }
+  if (lane == 31) tot[warp] = incl;
+  __syncthreads();
+  const uint32_t t = lane < kWarps ? tot[lane] : 0u;
+  uint32_t w = t;
+#pragma unroll
+  for (int d = 1; d < kWarps; d <<= 1) {
+    const uint32_t y = __shfl_up_sync(0xffffffffu, w, d);
+    if (lane >= d) w += y;
+  }
+  agg = __shfl_sync(0xffffffffu, w, kWarps - 1);
+  return __shfl_sync(0xffffffffu, w - t, warp) + incl - count;
+}
 
 // Exact block-wide radix select of the top `need` composites of the elements that
 // `each(f)` visits (f(key, index)). hist_ready: pass 0's histogram is already in `hist`.
@@ -333,12 +362,13 @@ __device__ __forceinline__ float key_bound(uint32_t key) {
 // fp32 value (a bit per score), indices are 32-bit (rows are < 2^32 scores), only threads
 // with a hit revisit their scores, and the next tile's loads are issued before a tile is
 // tested, so that they are in flight across its scan's barriers (a CTA's loads would
-// otherwise come in bursts, one tile at a time). One barrier per tile, the scan's: tiles
-// alternate between two scan storages, and a storage is written again only after the
-// barrier of the scan in between, which every thread reaches after reading its prefix.
+// otherwise come in bursts, one tile at a time). One barrier per tile, the scan's
+// (tile_exclusive_sum): tiles alternate between two warp-total arrays, and an array is
+// written again only after the barrier of the scan in between, which every thread reaches
+// after reading its prefix.
 template <typename T, typename Pred, typename Sink>
 __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, bool aligned, uint32_t flip,
-                                        typename BlockScan::TempStorage (&scan)[2], Pred&& pred, Sink&& sink) {
+                                        uint32_t (&tot)[2][kBlock / 32], Pred&& pred, Sink&& sink) {
   constexpr int V = 16 / sizeof(T), U = row_unroll<T>();
   static_assert(U * V <= 32, "one bit per score of a thread's tile");
   const int64_t nv = (L + V - 1) / V, step = int64_t(kBlock) * U;
@@ -357,7 +387,7 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
   };
   const auto score = [&](const int4(&raw)[U], int u, int e) { return raw_score<T>(raw[u], e); };
   uint32_t base = 0;
-  int par = 0;  // the scan storage of this tile
+  int par = 0;  // the warp-total array of this tile
   int4 cur[U], next[U];
   load_tile(cur, 0);
   for (int64_t v0 = 0; v0 < nv; v0 += step) {
@@ -379,8 +409,8 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
           if (i < L && pred(score(cur, u, e), static_cast<uint32_t>(i))) bits |= 1u << (u * V + e);
         }
     }
-    uint32_t pos, agg;
-    BlockScan(scan[par]).ExclusiveSum(static_cast<uint32_t>(__popc(bits)), pos, agg);
+    uint32_t agg;
+    uint32_t pos = tile_exclusive_sum(static_cast<uint32_t>(__popc(bits)), tot[par], agg);
     // Only the set bits: a test per score here cost the pass as much as the scores' own
     // compares (every warp has a thread with a hit). The rare hits re-read their score, an
     // L1 hit, since a register can only be picked by a constant index.
@@ -395,7 +425,7 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
 #pragma unroll
     for (int u = 0; u < U; ++u) cur[u] = next[u];
   }
-  __syncthreads();  // the caller may reuse the scan storage
+  __syncthreads();  // the caller may reuse the warp totals
   return base;
 }
 
@@ -546,10 +576,10 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
     // bound of ~thr (NaN, the worst there, left out: needed only when the row underfills).
     if (flip == 0) {
       const float lo = key_bound(thr);
-      C = ordered_row_compact<T>(xr, L, aligned, flip, sh.scan, [&](float v, uint32_t) { return !(v < lo); }, add);
+      C = ordered_row_compact<T>(xr, L, aligned, flip, sh.tile_tot, [&](float v, uint32_t) { return !(v < lo); }, add);
     } else {
       const float hi = key_bound(~thr);
-      C = ordered_row_compact<T>(xr, L, aligned, flip, sh.scan, [&](float v, uint32_t) { return v <= hi; }, add);
+      C = ordered_row_compact<T>(xr, L, aligned, flip, sh.tile_tot, [&](float v, uint32_t) { return v <= hi; }, add);
     }
     __syncthreads();
   }
@@ -608,7 +638,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
       }
       for (uint32_t j = tid; j < base; j += kBlock) out(j, ckey[j], cidx[j]);
     } else {
-      ordered_row_compact<T>(xr, L, aligned, flip, sh.scan, is_sel_score, out);
+      ordered_row_compact<T>(xr, L, aligned, flip, sh.tile_tot, is_sel_score, out);
     }
     pad_row<T>(P, r, take, tid, kBlock);
   }
