@@ -36,6 +36,7 @@
 #include "../common/cuda_launch.cuh"
 #include "../common/gpu_rows.cuh"
 #include "../common/op_io.h"
+#include "../common/tile_scan.cuh"
 #include "../ops.h"
 #include "gpu_keys.cuh"
 #include "threshold_cuda.h"
@@ -477,9 +478,8 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
   constexpr int V = vec_width<scalar_t>();
   constexpr int U = kLevelUnroll;
   using Reduce = cub::BlockReduce<LevelPartial, kLevelThreads>;
-  using TileScan = cub::BlockScan<int, kLevelThreads, cub::BLOCK_SCAN_WARP_SCANS>;  // one barrier per scan
   __shared__ typename Reduce::TempStorage red;
-  __shared__ typename TileScan::TempStorage tscan[2];  // tiles alternate (see run_tiles)
+  __shared__ uint32_t tile_tot[2][kLevelThreads / 32];  // tiles alternate (see run_tiles)
   __shared__ unsigned s_count[kBins];
   __shared__ double s_U[kBins], s_L[kBins];
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
@@ -666,7 +666,7 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
       const auto run_tiles = [&](auto gather_tag, auto far_tag) {
         constexpr bool kGather = decltype(gather_tag)::value;
         RawVec<scalar_t> vec[U];
-        int par = 0;  // the scan storage of this tile
+        int par = 0;  // the warp-total array of this tile
         if (kGather && blockIdx.x < tiles) load_tile(vec, blockIdx.x);
         for (int64_t tl = blockIdx.x; tl < tiles; tl += gridDim.x) {
           RawVec<scalar_t> next[U];  // a gathering pass prefetches (a binning one has no registers to spare)
@@ -675,10 +675,10 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
           const unsigned in_bits = classify(vec, tl, gather_tag, far_tag);
           if (kGather) {
             // One block scan per tile keeps the buffer's order deterministic. Its barrier is
-            // the tile's only one: a storage is written again only after the barrier of the
-            // scan in between, which every thread reaches after reading its offset.
-            int offset, total;
-            TileScan(tscan[par]).ExclusiveSum(__popc(in_bits), offset, total);
+            // the tile's only one: a warp-total array is written again only after the barrier
+            // of the scan in between, which every thread reaches after reading its offset.
+            uint32_t total;
+            uint32_t offset = tile_exclusive_sum<kLevelThreads>(__popc(in_bits), tile_tot[par], total);
             par ^= 1;
             // The rare gathered scores are read again (cache hits), so that the tile's
             // registers are free across the scan for the next tile's loads.
@@ -699,7 +699,7 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
       if (gather && far) run_tiles(std::true_type{}, std::true_type{});
       else if (gather) run_tiles(std::true_type{}, std::false_type{});
       else run_tiles(std::false_type{}, std::false_type{});
-      __syncthreads();  // tscan is free again
+      __syncthreads();  // tile_tot is free again
       acc.above_count += static_cast<double>(above_n);
       acc.pinf += pinf_n;
       acc.ninf += ninf_n;

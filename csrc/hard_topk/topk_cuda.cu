@@ -75,6 +75,7 @@
 
 #include "../common/cuda_launch.cuh"
 #include "../common/lapsum_math.h"
+#include "../common/tile_scan.cuh"
 #include "../ops.h"
 
 namespace fastlapsum {
@@ -226,34 +227,6 @@ struct RowShared {
   uint32_t tile_tot[2][kBlock / 32];        // ordered_row_compact: warp totals, two in turn
   FindResult res;
 };
-
-// Exclusive prefix sum of `count` over the CTA's threads in thread order, and the block's
-// total (agg), with one barrier: warp scans by shuffles, the warp totals through `tot`,
-// then each warp scans those totals by shuffles too (cub's warp-scans block scan picks
-// its warp's prefix out of all of them, ~25 more instructions per call, and this runs once
-// per tile of the row kernel's one full pass). `tot` is written before the barrier and read
-// after it: a caller that calls again before another barrier alternates two of them.
-__device__ __forceinline__ uint32_t tile_exclusive_sum(uint32_t count, uint32_t* tot, uint32_t& agg) {
-  constexpr int kWarps = kBlock / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint32_t incl = count;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const uint32_t y = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += y;
-  }
-  if (lane == 31) tot[warp] = incl;
-  __syncthreads();
-  const uint32_t t = lane < kWarps ? tot[lane] : 0u;
-  uint32_t w = t;
-#pragma unroll
-  for (int d = 1; d < kWarps; d <<= 1) {
-    const uint32_t y = __shfl_up_sync(0xffffffffu, w, d);
-    if (lane >= d) w += y;
-  }
-  agg = __shfl_sync(0xffffffffu, w, kWarps - 1);
-  return __shfl_sync(0xffffffffu, w - t, warp) + incl - count;
-}
 
 // Exact block-wide radix select of the top `need` composites of the elements that
 // `each(f)` visits (f(key, index)). hist_ready: pass 0's histogram is already in `hist`.
@@ -410,7 +383,7 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
         }
     }
     uint32_t agg;
-    uint32_t pos = tile_exclusive_sum(static_cast<uint32_t>(__popc(bits)), tot[par], agg);
+    uint32_t pos = tile_exclusive_sum<kBlock>(static_cast<uint32_t>(__popc(bits)), tot[par], agg);
     // Only the set bits: a test per score here cost the pass as much as the scores' own
     // compares (every warp has a thread with a hit). The rare hits re-read their score, an
     // L1 hit, since a register can only be picked by a constant index.
