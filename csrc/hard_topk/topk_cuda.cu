@@ -223,7 +223,7 @@ __device__ void find_bin(const uint32_t* hist, uint32_t need, typename BlockScan
 }
 
 struct RowShared {
-  typename BlockScan::TempStorage scan[2];  // block_select, find_bin and the output use [0]
+  typename BlockScan::TempStorage scan;     // find_bin and the output compaction
   uint32_t tile_tot[2][kBlock / 32];        // ordered_row_compact: warp totals, two in turn
   FindResult res;
 };
@@ -248,7 +248,7 @@ __device__ void block_select(Each&& each, uint32_t need, bool hist_ready, uint32
       });
       __syncthreads();
     }
-    find_bin(hist, need, sh.scan[0], sh.res);
+    find_bin(hist, need, sh.scan, sh.res);
     const FindResult r = sh.res;
     prefix |= static_cast<uint64_t>(r.digit) << s;
     need -= r.above;
@@ -513,7 +513,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
       __syncthreads();
       samp_each([&](uint32_t key) { atomicAdd(&hist[key >> 21], 1u); });
       __syncthreads();
-      find_bin(hist, rstar, sh.scan[0], sh.res);
+      find_bin(hist, rstar, sh.scan, sh.res);
       const uint32_t d1 = sh.res.digit, rem = rstar - sh.res.above;
       __syncthreads();
       for (int i = tid; i < kBins; i += kBlock) hist[i] = 0;
@@ -527,7 +527,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
         samp_each(second);
       }
       __syncthreads();
-      find_bin(hist, rem, sh.scan[0], sh.res);
+      find_bin(hist, rem, sh.scan, sh.res);
       thr = (d1 << 21) | (sh.res.digit << 10);
       __syncthreads();
     }
@@ -597,7 +597,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
           if (i < C && is_sel(kk[j], ii[j])) sel |= 1u << j;
         }
         uint32_t pos, agg;
-        BlockScan(sh.scan[0]).ExclusiveSum(static_cast<uint32_t>(__popc(sel)), pos, agg);
+        BlockScan(sh.scan).ExclusiveSum(static_cast<uint32_t>(__popc(sel)), pos, agg);
         pos += base;
 #pragma unroll
         for (int j = 0; j < kPer; ++j)
