@@ -236,7 +236,6 @@ def test_bracket_on_long_rows(largest):
     assert (budget_error(p, k) <= BUDGET_TOL[torch.float32]).all()
 
 
-
 @pytest.mark.parametrize("copies", [1, 80, 2000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_bracket_root_bin_with_ties(copies, dtype):
