@@ -258,6 +258,30 @@ def test_bracket_root_bin_with_ties(copies, dtype):
     assert (budget_error(p, k) <= BUDGET_TOL[dtype]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("largest", [True, False])
+def test_bracket_sorted_middle_set(dtype, largest):
+    """Rows up to 2^20 solve a gathered middle set that fits one CTA on chip, its tails
+    outside the bracket folded in; a bigger set (t = 30: the bracket holds much of the row)
+    goes on to the binning levels or the fallback. All equal the radix bracket; the Gaussian
+    row certifies on its first try."""
+    n = 1 << 20
+    g = gen(51)
+    x = torch.stack([torch.randn(n, generator=g), torch.randn(n, generator=g), torch.rand(n, generator=g),
+                     torch.randint(0, 3000, (n,), generator=g).float() / 3000, torch.randn(n, generator=g)])
+    k = torch.tensor([n / 16, 3.5, n / 2 + 0.25, n - 1000.5, n / 16], dtype=F64).cuda()
+    t = torch.tensor([1.0, 0.05, 0.01, 1e-4, 30.0], dtype=F64).cuda()
+    xc = x.to(dtype).cuda()
+    bb = fastlapsum.lapsum_threshold(xc, k, t, largest=largest, method="bracket").cpu()
+    bs = fastlapsum.lapsum_threshold(xc, k, t, largest=largest, method="sort").cpu()
+    assert ((bb - bs).abs() <= 1e-6 * t.cpu()).all(), (bb, bs)
+    info = fastlapsum.lapsum_diagnostics(xc, k, t, largest=largest, method="bracket")
+    assert info.path[0].item() == fastlapsum.PATH_BRACKET and info.attempts[0].item() == 1
+    assert 0 < info.middle_size[0].item() <= 8192, info.middle_size
+    p = fastlapsum.soft_topk(xc, k, t, largest=largest, method="bracket")
+    assert (budget_error(p, k) <= BUDGET_TOL[dtype]).all()
+
+
 # ---- CUDA graphs -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [1000, 5000])  # the on-chip path and the bracket

@@ -10,6 +10,9 @@
 //           scores inside go to up to 2048 range atoms ("bins"). A bracketed row's first
 //           level only gathers those into the row's middle buffer (one bounded slice per
 //           block, in a deterministic order); every later level of it reads only that.
+//  sorted   rows up to 2^20 scores, after the gathering level: one CTA per row sorts a middle
+//           set that fits it and solves the row (the short-row solver's sort and scan, with
+//           the tails), certifying the bracket, so that the launches after it skip the row.
 //  scan     one CTA per row, after every level but a gathering one: folds the tails; on the
 //           first binned level checks the certificate Psi(a_R) <= k <= Psi(a_L) (a failure,
 //           or a middle set too big for its slices, sends the row to the radix fallback
@@ -28,6 +31,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <limits>
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -39,6 +43,7 @@
 #include "../common/tile_scan.cuh"
 #include "../ops.h"
 #include "gpu_keys.cuh"
+#include "sorted_solve.cuh"
 #include "threshold_cuda.h"
 
 namespace fastlapsum {
@@ -61,6 +66,10 @@ constexpr int64_t kMaxChunks = 1024;  // blocks per row in the row-wide passes
 constexpr int64_t kSideBlocks = 128;  // blocks per row of the sides pass
 constexpr int kMaxSidesSlices = (kMaxChunks + kSideBlocks - 1) / kSideBlocks;  // middle slices per sides block
 constexpr unsigned kMiddleBlocks = 256;  // blocks per row of a level over the middle set
+// Rows up to this length try to solve their middle set on chip (sorted_middle_kernel): a
+// Gaussian row of 2^20 gathers 5-7K scores at t = 1 (8192 fit), one of 2^18 2-3K (4096).
+constexpr int64_t kSortedMiddleMaxN = int64_t(1) << 20;
+constexpr int64_t kSortedMiddleSmallN = int64_t(1) << 18;
 
 enum RowStatus : int { kRefineMiddle = 0, kRefineRow = 1, kSolveMiddle = 2, kSolveRow = 3, kDone = 4 };
 // Certification still ahead of a row (kCertifyRow) or done. A bracketed row's first level
@@ -755,6 +764,42 @@ __device__ inline RowState fallback_state(RowState st, uint64_t min_key, uint64_
   return st;
 }
 
+// A row's level partials, folded in a fixed order; every thread gets the total.
+template <int kThreads>
+__device__ LevelPartial fold_partials(const LevelPartial* __restrict__ p, int chunks,
+                                      typename cub::BlockReduce<LevelPartial, kThreads>::TempStorage& tmp,
+                                      LevelPartial& s_total) {
+  LevelPartial acc{0.0, 0.0, 0.0, 0, 0, 0, 0, 0};
+  for (int c = threadIdx.x; c < chunks; c += kThreads) acc = LevelPartialSum{}(acc, p[c]);
+  const LevelPartial total = cub::BlockReduce<LevelPartial, kThreads>(tmp).Reduce(acc, LevelPartialSum{});
+  if (threadIdx.x == 0) s_total = total;
+  __syncthreads();
+  return s_total;
+}
+
+// The sums of a row's first pass: a row without an interior root (non-finite scores, k at an
+// end) is settled (thread 0 writes its answer) and true returned; else the budget left for the
+// finite scores is taken. The same decision in every thread.
+__device__ inline bool settle_first_pass(RowState& st, const LevelPartial& total, double k, int64_t n, double sign,
+                                         int64_t r, double* __restrict__ b_out, double* __restrict__ edge_out,
+                                         int64_t* __restrict__ diag) {
+  double b, edge, kf;
+  if (!settle_row(k, st.t, static_cast<double>(n), static_cast<double>(total.nan), static_cast<double>(total.pinf),
+                  static_cast<double>(total.ninf), &b, &edge, &kf)) {
+    st.k = kf;
+    return false;
+  }
+  if (threadIdx.x == 0) {
+    b_out[r] = sign * b;
+    edge_out[r] = edge;
+    diag[3 * r] = kPathDirect;
+    diag[3 * r + 1] = 0;
+    diag[3 * r + 2] = 0;
+  }
+  st.status = kDone;
+  return true;
+}
+
 template <typename scalar_t>
 __global__ void __launch_bounds__(kScanThreads)
 scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const LevelPartial* __restrict__ partial,
@@ -786,30 +831,14 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
     RowState st = state[r];
     if (st.status != kRefineMiddle && st.status != kRefineRow) continue;  // uniform
     BinSums* h = hist + r * kBins;
-    LevelPartial acc{0.0, 0.0, 0.0, 0, 0, 0, 0, 0};
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) acc = LevelPartialSum{}(acc, partial[r * chunks + c]);
-    const LevelPartial tot = Fold(tmp.fold).Reduce(acc, LevelPartialSum{});
-    if (threadIdx.x == 0) s_total = tot;
-    __syncthreads();
-    const LevelPartial total = s_total;
+    const LevelPartial total = fold_partials<kScanThreads>(partial + r * chunks, chunks, tmp.fold, s_total);
     const double t = st.t;
     const uint64_t lo = st.lo_key, hi = st.hi_key;
     bool finished = false;  // uniform: every thread decides the same
     if (st.certify != kCertified) {
-      double b, edge, kf;
-      if (settle_row(k_in[r], t, static_cast<double>(n), static_cast<double>(total.nan),
-                     static_cast<double>(total.pinf), static_cast<double>(total.ninf), &b, &edge, &kf)) {
-        if (threadIdx.x == 0) {
-          b_out[r] = sign * b;
-          edge_out[r] = edge;
-          diag[3 * r] = kPathDirect;
-          diag[3 * r + 1] = 0;
-          diag[3 * r + 2] = 0;
-        }
-        st.status = kDone;
+      if (settle_first_pass(st, total, k_in[r], n, sign, r, b_out, edge_out, diag)) {
         finished = true;
       } else {
-        st.k = kf;
         st.middle = static_cast<int64_t>(total.middle);
         if (st.status == kRefineMiddle && total.overflow) {
           st = fallback_state(st, KT::min_key(), KT::max_key());
@@ -1025,6 +1054,129 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
   }
 }
 
+// ---- sorted middle set --------------------------------------------------------------------
+
+// A bracketed row whose gathered middle set fits one CTA (kSortedThreads * kItems scores),
+// straight after the gathering pass: the set is sorted on chip and solved with the scores
+// outside the bracket as its tails (sorted_solve.cuh); the root certifies the bracket when it
+// lies inside it (Psi(a_hi) <= k <= Psi(a_lo)), else the row goes to the exact fallback. The
+// row is then done and the binning levels skip it: they replace a chain of ~10 launches
+// (bin, scan, bin, scan, sides, solve) by one. A larger set is left to them. fp32, fp16 and
+// bf16 rows (32-bit keys).
+template <typename scalar_t, int kItems>
+__global__ void __launch_bounds__(kSortedThreads, 1)
+sorted_middle_kernel(RowState* __restrict__ state, const LevelPartial* __restrict__ partial, int chunks,
+                     const double* __restrict__ middle, const unsigned* __restrict__ slice_count, int64_t cap,
+                     const double* __restrict__ k_in, double* __restrict__ b_out, double* __restrict__ edge_out,
+                     int64_t* __restrict__ diag, int64_t rows, int64_t n, double sign) {
+  begin_dependent_grid();
+  using KT = KeyTraits<scalar_t>;
+  using SK = SortKey<scalar_t>;
+  using Key = typename SK::Key;
+  static_assert(sizeof(Key) == 4 && 32 * kItems < 1024, "32-bit keys; take_census packs 10 bits a warp");
+  constexpr unsigned kCapacity = kSortedThreads * kItems;
+  constexpr int kSlices = (kMaxChunks + kSortedThreads - 1) / kSortedThreads;  // slice counts per thread
+  using Sort = cub::BlockRadixSort<Key, kSortedThreads, kItems, cub::NullType, kSortRadixBits>;
+  using Offsets = cub::BlockScan<unsigned, kSortedThreads>;
+  __shared__ union {
+    typename cub::BlockReduce<LevelPartial, kSortedThreads>::TempStorage fold;
+    typename Offsets::TempStorage offsets;
+    typename Sort::TempStorage sort;
+    SolveStorage solve;  // after the sort
+  } sm;
+  __shared__ CensusStorage<Key> census;
+  __shared__ double last_v[kWarps];
+  __shared__ LevelPartial s_total;
+  __shared__ unsigned s_start[kMaxChunks];  // each slice's first position in the set
+  const int tid = threadIdx.x;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    RowState st = state[r];
+    if (st.status != kRefineMiddle || st.certify != kCertifyRow) continue;  // uniform
+    const double k = k_in[r];
+    unsigned count[kSlices], start[kSlices], m;  // the slices' sizes, loaded with the partials
+#pragma unroll
+    for (int q = 0; q < kSlices; ++q) {
+      const int c = tid * kSlices + q;
+      count[q] = c < chunks ? slice_count[r * chunks + c] : 0u;
+    }
+    const LevelPartial total = fold_partials<kSortedThreads>(partial + r * chunks, chunks, sm.fold, s_total);
+    // Where each slice's scores go in the set (fold_partials ended with a barrier).
+    Offsets(sm.offsets).ExclusiveSum(count, start, m);
+#pragma unroll
+    for (int q = 0; q < kSlices; ++q)
+      if (tid * kSlices + q < chunks) s_start[tid * kSlices + q] = start[q];
+    __syncthreads();
+    // Every decision below is the same in every thread.
+    if (settle_first_pass(st, total, k, n, sign, r, b_out, edge_out, diag)) {
+      // settled
+    } else if (total.overflow) {
+      st = fallback_state(st, KT::min_key(), KT::max_key());
+    } else if (m > kCapacity) {
+      continue;  // the binning levels take the row
+    } else {
+      const double a_hi = KT::value(static_cast<typename KT::Key>(st.hi_key));
+      const double a_lo = KT::value(static_cast<typename KT::Key>(st.lo_key));
+      const SortedTails tails{total.above_count, total.above_sum, a_hi, total.below_sum, a_lo};
+      double b;
+      if (m == 0) {
+        b = solve_interval(tails.above_count, tails.above_sum, tails.below_sum, tails.above_count > 0.0 ? a_hi : INFINITY,
+                           tails.below_sum > 0.0 ? a_lo : -INFINITY, st.k, st.t);
+      } else {
+        // Striped positions, each score's slice found by binary search: every load in flight at once.
+        Key keys[kItems];
+        Key key_and = ~Key(0), key_or = 0;
+#pragma unroll
+        for (int q = 0; q < kItems; ++q) {
+          const unsigned i = q * kSortedThreads + tid;
+          if (i >= m) continue;
+          int c = 0;  // the last slice that starts at or before i
+          for (int step = kMaxChunks / 2; step > 0; step /= 2)
+            if (c + step < chunks && s_start[c + step] <= i) c += step;
+          keys[q] = SK::key(middle[(r * chunks + c) * cap + (i - s_start[c])]);
+          key_and &= keys[q];
+          key_or |= keys[q];
+        }
+        const Census<Key> cs = take_census(census, 0, 0, 0, key_and, key_or);
+        // Padding takes the and of the real keys: it sorts at or after the smallest score.
+#pragma unroll
+        for (int q = 0; q < kItems; ++q)
+          if (q * kSortedThreads + tid >= m) keys[q] = cs.key_and;
+        const Key varying = cs.key_and ^ cs.key_or;
+        if (varying != 0)
+          Sort(sm.sort).SortDescending(keys, __ffs(static_cast<int>(varying)) - 1, 32 - __clz(static_cast<int>(varying)));
+        b = solve_sorted<Key, SK, kItems>(sm.solve, last_v, keys, 0, static_cast<int>(m), st.k, st.t, tails);
+      }
+      if (b >= a_lo && b <= a_hi) {  // certified (a NaN fails too)
+        if (tid == 0) {
+          b_out[r] = sign * b;
+          edge_out[r] = 1.0;
+          diag[3 * r] = st.path;
+          diag[3 * r + 1] = m;
+          diag[3 * r + 2] = st.attempts;
+        }
+        st.status = kDone;
+      } else {
+        st = fallback_state(st, KT::min_key(), KT::max_key());
+      }
+    }
+    if (tid == 0) state[r] = st;
+    __syncthreads();
+  }
+}
+
+// The sorted middle-set kernel for rows of length n, or none (longer rows; fp64 rows, whose
+// keys are 64-bit). Every instantiation has the same signature.
+template <typename scalar_t>
+auto sorted_middle_for(int64_t n) -> decltype(&sorted_middle_kernel<float, 8>) {
+  if constexpr (sizeof(scalar_t) > 4) {
+    return nullptr;
+  } else {
+    if (n <= kSortedMiddleSmallN) return &sorted_middle_kernel<scalar_t, 8>;
+    if (n <= kSortedMiddleMaxN) return &sorted_middle_kernel<scalar_t, 16>;
+    return nullptr;
+  }
+}
+
 // ---- sides and solve ----------------------------------------------------------------------
 
 // A gathered middle set whose bracket spans at most kFlatSpan temperatures: every term
@@ -1182,8 +1334,11 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     // Blocks per row: a few tiles each, at most kMaxChunks; the grid covers rows by looping.
     const int64_t tile = level_tile<scalar_t>();
     const int64_t tiles = (n + tile - 1) / tile;
-    constexpr int64_t kTilesPerBlock = 8 / kLevelUnroll;  // ~16K fp32 scores per block
-    int64_t chunks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
+    // Two tiles per block (~16K fp32 scores), so that a gathering block's next tile loads
+    // while it classifies one; one when a row's tiles fit a block per SM (rows up to ~1M
+    // fp32 scores: all in flight at once, and the sorted middle set reads the slices cheaply).
+    const int64_t tiles_per_block = tiles <= sm_count() ? 1 : 8 / kLevelUnroll;
+    int64_t chunks = (tiles + tiles_per_block - 1) / tiles_per_block;
     // At most one wave of level blocks (two per SM) over the rows: a block streams its tiles
     // in a grid-stride loop, so more blocks only add waves, partials for the scan to fold,
     // and a wave of launches to each level that a finished row skips.
@@ -1238,10 +1393,16 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     double* bp = b.mutable_data_ptr<double>();
     double* ep = edge.mutable_data_ptr<double>();
     int64_t* dp = diag.mutable_data_ptr<int64_t>();
+    const auto sorted_middle = sort ? nullptr : sorted_middle_for<scalar_t>(n);
     for (int level = 0; level < levels; ++level) {
       launch_dependent(level_kernel<scalar_t>, grid, kLevelThreads, 0, stream, xp, st, mp, cp, cap, hs, lp, rows, n,
                        sign, level);
-      if (level == 0 && !sort) continue;  // gathered only: level 1 bins the set
+      if (level == 0 && !sort) {  // gathered only: level 1 bins the set, unless it is solved on chip here
+        if (sorted_middle != nullptr)
+          launch_dependent(sorted_middle, row_blocks, kSortedThreads, 0, stream, st, lp, static_cast<int>(chunks), mp,
+                           cp, cap, k.const_data_ptr<double>(), bp, ep, dp, rows, n, sign);
+        continue;
+      }
       launch_dependent(scan_kernel<scalar_t>, row_blocks, kScanThreads, 0, stream, st, hs, lp,
                        static_cast<int>(chunks), k.const_data_ptr<double>(), bp, ep, dp, rows, n, sign);
     }
