@@ -11,7 +11,7 @@
 // first score where Psi >= k bounds the root's gap, which every thread then solves in
 // closed form from the owner's coefficients. Scores outside the sorted ones (a middle
 // set's tails) enter as the scans' starting values. Deterministic: fixed arrangement,
-// fixed scan trees, and only integer min/and/or/sum reductions.
+// fixed scan trees, and only integer max/and/or/sum reductions.
 #pragma once
 
 #include <cfloat>
