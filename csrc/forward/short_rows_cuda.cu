@@ -6,8 +6,6 @@
 // without an interior root and bounds the radix sort to the varying bits.
 #include <ATen/Dispatch.h>
 
-#include <cfloat>
-#include <climits>
 #include <cstdint>
 #include <cub/block/block_radix_sort.cuh>
 
@@ -92,23 +90,7 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
   const bool settled = settle_row(k, t, static_cast<double>(n), c.nan, c.pinf, c.ninf, &b, &edge, &kf);
 
   if (!settled) {  // uniform across the block
-    // Padding takes the and of the real keys: no bit beyond theirs, so it sorts at or after
-    // the smallest score (a tie means equal keys) and positions [0, n) hold the row.
-#pragma unroll
-    for (int q = 0; q < kItems; ++q)
-      if (q * kShortThreads + tid >= n) keys[q] = c.key_and;
-    const Key varying = c.key_and ^ c.key_or;
-    if (varying != 0) {  // else all keys are equal: already sorted
-      int lo_bit, hi_bit;
-      if constexpr (SK::kBits == 64) {
-        lo_bit = __ffsll(static_cast<long long>(varying)) - 1;
-        hi_bit = 64 - __clzll(static_cast<long long>(varying));
-      } else {
-        lo_bit = __ffs(static_cast<int>(varying)) - 1;
-        hi_bit = 32 - __clz(static_cast<int>(varying));
-      }
-      Sort(sm.sort).SortDescending(keys, lo_bit, hi_bit);  // blocked: thread tid holds tid*kItems + q
-    }
+    sort_descending<Sort>(sm.sort, keys, n, c);  // positions [0, n) hold the row
     const int first = c.pinf, end = static_cast<int>(n) - c.ninf;  // finite positions [first, end)
     b = solve_sorted<Key, SK, kItems>(sm.solve, last_v, keys, first, end, kf, t, SortedTails{});
   }

@@ -14,8 +14,6 @@
 // fixed scan trees, and only integer max/and/or/sum reductions.
 #pragma once
 
-#include <cfloat>
-#include <climits>
 #include <cstdint>
 #include <cstring>
 
@@ -153,6 +151,29 @@ __device__ __forceinline__ Census<Key> take_census(CensusStorage<Key>& st, int n
   c.key_and = warp_and(mine ? st.key_and[lane] : ~Key(0));
   c.key_or = warp_or(mine ? st.key_or[lane] : Key(0));
   return c;
+}
+
+// Pads the striped positions at and past `count` with the and of the real keys (no bit
+// beyond theirs, so it sorts at or after the smallest score, a tie meaning equal keys), then
+// sorts the keys descending on the bits where they differ, into the blocked arrangement
+// (thread tid holds tid * kItems + q). Equal keys need no sort.
+template <typename Sort, typename Key, int kItems, typename Count>
+__device__ __forceinline__ void sort_descending(typename Sort::TempStorage& storage, Key (&keys)[kItems], Count count,
+                                                const Census<Key>& c) {
+#pragma unroll
+  for (int q = 0; q < kItems; ++q)
+    if (q * kSortedThreads + static_cast<int>(threadIdx.x) >= count) keys[q] = c.key_and;
+  const Key varying = c.key_and ^ c.key_or;
+  if (varying == 0) return;
+  int lo_bit, hi_bit;
+  if constexpr (sizeof(Key) == 8) {
+    lo_bit = __ffsll(static_cast<long long>(varying)) - 1;
+    hi_bit = 64 - __clzll(static_cast<long long>(varying));
+  } else {
+    lo_bit = __ffs(static_cast<int>(varying)) - 1;
+    hi_bit = 32 - __clz(static_cast<int>(varying));
+  }
+  Sort(storage).SortDescending(keys, lo_bit, hi_bit);
 }
 
 // The affine-map scans over thread aggregates: one warp rakes kRake consecutive threads per

@@ -1136,14 +1136,7 @@ sorted_middle_kernel(RowState* __restrict__ state, const LevelPartial* __restric
           key_and &= keys[q];
           key_or |= keys[q];
         }
-        const Census<Key> cs = take_census(census, 0, 0, 0, key_and, key_or);
-        // Padding takes the and of the real keys: it sorts at or after the smallest score.
-#pragma unroll
-        for (int q = 0; q < kItems; ++q)
-          if (q * kSortedThreads + tid >= m) keys[q] = cs.key_and;
-        const Key varying = cs.key_and ^ cs.key_or;
-        if (varying != 0)
-          Sort(sm.sort).SortDescending(keys, __ffs(static_cast<int>(varying)) - 1, 32 - __clz(static_cast<int>(varying)));
+        sort_descending<Sort>(sm.sort, keys, m, take_census(census, 0, 0, 0, key_and, key_or));
         b = solve_sorted<Key, SK, kItems>(sm.solve, last_v, keys, 0, static_cast<int>(m), st.k, st.t, tails);
       }
       if (b >= a_lo && b <= a_hi) {  // certified (a NaN fails too)
