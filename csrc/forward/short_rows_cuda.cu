@@ -7,7 +7,6 @@
 #include <ATen/Dispatch.h>
 
 #include <cstdint>
-#include <cub/block/block_radix_sort.cuh>
 
 #include "../common/cuda_launch.cuh"
 #include "../common/gpu_rows.cuh"
@@ -54,7 +53,7 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
   begin_dependent_grid();
   using SK = SortKey<scalar_t>;
   using Key = typename SK::Key;
-  using Sort = cub::BlockRadixSort<Key, kShortThreads, kItems, cub::NullType, kSortRadixBits>;
+  using Sort = BlockSort<Key, kItems>;
   __shared__ union {
     typename Sort::TempStorage sort;
     SolveStorage solve;  // after the sort

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <cub/block/block_radix_sort.cuh>
 
 #include "../common/lapsum_math.h"
 
@@ -28,6 +29,10 @@ static_assert(kSortedThreads % 32 == 0 && kWarps <= 32, "block reductions read o
 // traffic per pass (and 6 bits does not fit 48 KB of static shared memory at 512 threads).
 constexpr int kSortRadixBits = 4;
 constexpr unsigned kFullMask = 0xffffffffu;
+
+// The block sort of kItems keys per thread (sort_descending takes it).
+template <typename Key, int kItems>
+using BlockSort = cub::BlockRadixSort<Key, kSortedThreads, kItems, cub::NullType, kSortRadixBits>;
 
 // Order-preserving sort keys: the sign-magnitude bits recentred as an offset integer
 // (0x80..0 +- magnitude). Unlike a sign-flip key, trailing zero bits of the magnitude stay

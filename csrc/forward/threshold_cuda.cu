@@ -10,7 +10,7 @@
 //           scores inside go to up to 2048 range atoms ("bins"). A bracketed row's first
 //           level only gathers those into the row's middle buffer (one bounded slice per
 //           block, in a deterministic order); every later level of it reads only that.
-//  sorted   rows up to 2^20 scores, after the gathering level: one CTA per row sorts a middle
+//  sorted   rows up to 2^21 scores, after the gathering level: one CTA per row sorts a middle
 //           set that fits it and solves the row (the short-row solver's sort and scan, with
 //           the tails), certifying the bracket, so that the launches after it skip the row.
 //  scan     one CTA per row, after every level but a gathering one: folds the tails; on the
@@ -66,10 +66,11 @@ constexpr int64_t kMaxChunks = 1024;  // blocks per row in the row-wide passes
 constexpr int64_t kSideBlocks = 128;  // blocks per row of the sides pass
 constexpr int kMaxSidesSlices = (kMaxChunks + kSideBlocks - 1) / kSideBlocks;  // middle slices per sides block
 constexpr unsigned kMiddleBlocks = 256;  // blocks per row of a level over the middle set
-// Rows up to this length try to solve their middle set on chip (sorted_middle_kernel): a
-// Gaussian row of 2^20 gathers 5-7K scores at t = 1 (8192 fit), one of 2^18 2-3K (4096).
-constexpr int64_t kSortedMiddleMaxN = int64_t(1) << 20;
-constexpr int64_t kSortedMiddleSmallN = int64_t(1) << 18;
+// Rows up to this length try to solve their middle set on chip (sorted_middle_kernel), up to
+// kSortedMaxItems scores a thread (8192): a Gaussian row of 2^21 gathers ~4.8K scores (k = n/16,
+// t = 1), one of 1e6 ~2.6K, one of 1e5 ~640 (bracket_rule.h's sample of 4 n^(2/3)).
+constexpr int64_t kSortedMiddleMaxN = int64_t(1) << 21;
+constexpr int kSortedMaxItems = 16;
 
 enum RowStatus : int { kRefineMiddle = 0, kRefineRow = 1, kSolveMiddle = 2, kSolveRow = 3, kDone = 4 };
 // Certification still ahead of a row (kCertifyRow) or done. A bracketed row's first level
@@ -1056,14 +1057,42 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
 
 // ---- sorted middle set --------------------------------------------------------------------
 
-// A bracketed row whose gathered middle set fits one CTA (kSortedThreads * kItems scores),
-// straight after the gathering pass: the set is sorted on chip and solved with the scores
-// outside the bracket as its tails (sorted_solve.cuh); the root certifies the bracket when it
-// lies inside it (Psi(a_hi) <= k <= Psi(a_lo)), else the row goes to the exact fallback. The
-// row is then done and the binning levels skip it: they replace a chain of ~10 launches
-// (bin, scan, bin, scan, sides, solve) by one. A larger set is left to them. fp32, fp16 and
-// bf16 rows (32-bit keys).
-template <typename scalar_t, int kItems>
+// Loads a gathered middle set of m <= kSortedThreads * kItems scores (striped: position
+// q * kSortedThreads + tid, from slice `map[position]`), sorts it and solves the row with the
+// tails. Every thread gets b.
+template <typename scalar_t, int kItems, typename Key = typename SortKey<scalar_t>::Key>
+__device__ __forceinline__ double solve_middle_set(typename BlockSort<Key, kItems>::TempStorage& sort,
+                                                   SolveStorage& solve, CensusStorage<Key>& census,
+                                                   double (&last_v)[kWarps], const uint16_t* map,
+                                                   const unsigned* s_start, const double* __restrict__ middle,
+                                                   int64_t cap, unsigned m, const RowState& st,
+                                                   const SortedTails& tails) {
+  using SK = SortKey<scalar_t>;
+  Key keys[kItems];
+  Key key_and = ~Key(0), key_or = 0;
+#pragma unroll
+  for (int q = 0; q < kItems; ++q) {
+    const unsigned i = q * kSortedThreads + threadIdx.x;
+    if (i >= m) continue;
+    const unsigned c = map[i];
+    keys[q] = SK::key(middle[c * cap + (i - s_start[c])]);
+    key_and &= keys[q];
+    key_or |= keys[q];
+  }
+  // take_census's barrier ends the map's use: the sort's storage may alias it.
+  sort_descending<BlockSort<Key, kItems>>(sort, keys, m, take_census(census, 0, 0, 0, key_and, key_or));
+  return solve_sorted<Key, SK, kItems>(solve, last_v, keys, 0, static_cast<int>(m), st.k, st.t, tails);
+}
+
+// A bracketed row whose gathered middle set fits one CTA (up to kSortedMaxItems scores a
+// thread), straight after the gathering pass: the set is sorted on chip and solved with the
+// scores outside the bracket as its tails (sorted_solve.cuh); the root certifies the bracket
+// when it lies inside it (Psi(a_hi) <= k <= Psi(a_lo)), else the row goes to the exact
+// fallback. The row is then done and the binning levels skip it: they replace a chain of ~10
+// launches (bin, scan, bin, scan, sides, solve) by one. A larger set is left to them. The
+// sort takes the fewest items a thread that hold the set (padding costs every sort pass).
+// fp32, fp16 and bf16 rows (32-bit keys).
+template <typename scalar_t>
 __global__ void __launch_bounds__(kSortedThreads, 1)
 sorted_middle_kernel(RowState* __restrict__ state, const LevelPartial* __restrict__ partial, int chunks,
                      const double* __restrict__ middle, const unsigned* __restrict__ slice_count, int64_t cap,
@@ -1071,17 +1100,19 @@ sorted_middle_kernel(RowState* __restrict__ state, const LevelPartial* __restric
                      int64_t* __restrict__ diag, int64_t rows, int64_t n, double sign) {
   begin_dependent_grid();
   using KT = KeyTraits<scalar_t>;
-  using SK = SortKey<scalar_t>;
-  using Key = typename SK::Key;
-  static_assert(sizeof(Key) == 4 && 32 * kItems < 1024, "32-bit keys; take_census packs 10 bits a warp");
-  constexpr unsigned kCapacity = kSortedThreads * kItems;
+  using Key = typename SortKey<scalar_t>::Key;
+  static_assert(sizeof(Key) == 4 && 32 * kSortedMaxItems < 1024, "32-bit keys; take_census packs 10 bits a warp");
+  constexpr unsigned kCapacity = kSortedThreads * kSortedMaxItems;
+  static_assert(kMaxChunks <= 65536, "slice numbers are 16-bit");
   constexpr int kSlices = (kMaxChunks + kSortedThreads - 1) / kSortedThreads;  // slice counts per thread
-  using Sort = cub::BlockRadixSort<Key, kSortedThreads, kItems, cub::NullType, kSortRadixBits>;
   using Offsets = cub::BlockScan<unsigned, kSortedThreads>;
   __shared__ union {
     typename cub::BlockReduce<LevelPartial, kSortedThreads>::TempStorage fold;
     typename Offsets::TempStorage offsets;
-    typename Sort::TempStorage sort;
+    uint16_t map[kCapacity];  // each position's slice: after the offsets, before the sort
+    typename BlockSort<Key, kSortedMaxItems / 4>::TempStorage sort_quarter;
+    typename BlockSort<Key, kSortedMaxItems / 2>::TempStorage sort_half;
+    typename BlockSort<Key, kSortedMaxItems>::TempStorage sort_full;
     SolveStorage solve;  // after the sort
   } sm;
   __shared__ CensusStorage<Key> census;
@@ -1122,22 +1153,22 @@ sorted_middle_kernel(RowState* __restrict__ state, const LevelPartial* __restric
         b = solve_interval(tails.above_count, tails.above_sum, tails.below_sum, tails.above_count > 0.0 ? a_hi : INFINITY,
                            tails.below_sum > 0.0 ? a_lo : -INFINITY, st.k, st.t);
       } else {
-        // Striped positions, each score's slice found by binary search: every load in flight at once.
-        Key keys[kItems];
-        Key key_and = ~Key(0), key_or = 0;
-#pragma unroll
-        for (int q = 0; q < kItems; ++q) {
-          const unsigned i = q * kSortedThreads + tid;
-          if (i >= m) continue;
-          int c = 0;  // the last slice that starts at or before i
-          for (int step = kMaxChunks / 2; step > 0; step /= 2)
-            if (c + step < chunks && s_start[c + step] <= i) c += step;
-          keys[q] = SK::key(middle[(r * chunks + c) * cap + (i - s_start[c])]);
-          key_and &= keys[q];
-          key_or |= keys[q];
+        // Each position's slice, a warp per slice (the offsets' storage is free after the barrier above).
+        for (int c = tid / 32; c < chunks; c += kWarps) {
+          const unsigned e = c + 1 < chunks ? s_start[c + 1] : m;
+          for (unsigned i = s_start[c] + tid % 32; i < e; i += 32) sm.map[i] = static_cast<uint16_t>(c);
         }
-        sort_descending<Sort>(sm.sort, keys, m, take_census(census, 0, 0, 0, key_and, key_or));
-        b = solve_sorted<Key, SK, kItems>(sm.solve, last_v, keys, 0, static_cast<int>(m), st.k, st.t, tails);
+        __syncthreads();
+        const double* mr = middle + r * chunks * cap;
+        if (m <= kCapacity / 4)
+          b = solve_middle_set<scalar_t, kSortedMaxItems / 4>(sm.sort_quarter, sm.solve, census, last_v, sm.map,
+                                                              s_start, mr, cap, m, st, tails);
+        else if (m <= kCapacity / 2)
+          b = solve_middle_set<scalar_t, kSortedMaxItems / 2>(sm.sort_half, sm.solve, census, last_v, sm.map,
+                                                              s_start, mr, cap, m, st, tails);
+        else
+          b = solve_middle_set<scalar_t, kSortedMaxItems>(sm.sort_full, sm.solve, census, last_v, sm.map, s_start,
+                                                          mr, cap, m, st, tails);
       }
       if (b >= a_lo && b <= a_hi) {  // certified (a NaN fails too)
         if (tid == 0) {
@@ -1154,19 +1185,6 @@ sorted_middle_kernel(RowState* __restrict__ state, const LevelPartial* __restric
     }
     if (tid == 0) state[r] = st;
     __syncthreads();
-  }
-}
-
-// The sorted middle-set kernel for rows of length n, or none (longer rows; fp64 rows, whose
-// keys are 64-bit). Every instantiation has the same signature.
-template <typename scalar_t>
-auto sorted_middle_for(int64_t n) -> decltype(&sorted_middle_kernel<float, 8>) {
-  if constexpr (sizeof(scalar_t) > 4) {
-    return nullptr;
-  } else {
-    if (n <= kSortedMiddleSmallN) return &sorted_middle_kernel<scalar_t, 8>;
-    if (n <= kSortedMiddleMaxN) return &sorted_middle_kernel<scalar_t, 16>;
-    return nullptr;
   }
 }
 
@@ -1386,14 +1404,16 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     double* bp = b.mutable_data_ptr<double>();
     double* ep = edge.mutable_data_ptr<double>();
     int64_t* dp = diag.mutable_data_ptr<int64_t>();
-    const auto sorted_middle = sort ? nullptr : sorted_middle_for<scalar_t>(n);
     for (int level = 0; level < levels; ++level) {
       launch_dependent(level_kernel<scalar_t>, grid, kLevelThreads, 0, stream, xp, st, mp, cp, cap, hs, lp, rows, n,
                        sign, level);
       if (level == 0 && !sort) {  // gathered only: level 1 bins the set, unless it is solved on chip here
-        if (sorted_middle != nullptr)
-          launch_dependent(sorted_middle, row_blocks, kSortedThreads, 0, stream, st, lp, static_cast<int>(chunks), mp,
-                           cp, cap, k.const_data_ptr<double>(), bp, ep, dp, rows, n, sign);
+        if constexpr (sizeof(scalar_t) <= 4) {  // fp64 rows (64-bit keys) take the binning levels
+          if (n <= kSortedMiddleMaxN)
+            launch_dependent(sorted_middle_kernel<scalar_t>, row_blocks, kSortedThreads, 0, stream, st, lp,
+                             static_cast<int>(chunks), mp, cp, cap, k.const_data_ptr<double>(), bp, ep, dp, rows, n,
+                             sign);
+        }
         continue;
       }
       launch_dependent(scan_kernel<scalar_t>, row_blocks, kScanThreads, 0, stream, st, hs, lp,
