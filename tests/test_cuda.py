@@ -330,6 +330,53 @@ def test_cuda_graph_soft_topk(dtype, n):
         assert static_out[2].double().sum(1).tolist() == kh.double().tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_sorted_set_and_chain(dtype):
+    """Rows up to 2^21 are solved by the sorted middle set or, left unsolved by it, by the
+    binning chain after it (its launches skip solved rows). Graph replays where some rows
+    need the chain (a constant row at k = n/2: a middle set of the whole row, then the
+    fallback; a uniform row at its median with t = 0.01: ~17K middle scores, too many for one
+    CTA) and replays where none does (Gaussian rows at k = n/16, ~2K) give the eager answers."""
+    rows, n = 3, 1 << 19
+    x = torch.zeros(rows, n, device="cuda", dtype=dtype)
+    k = torch.zeros(rows, dtype=F64, device="cuda")
+    t = torch.ones(rows, dtype=F64, device="cuda")
+
+    def step():
+        return (fastlapsum.soft_topk(x, k, t, method="bracket"),
+                fastlapsum.lapsum_threshold(x, k, t, method="bracket"))
+
+    def fill(seed, constant_row, wide_row):
+        g = gen(seed)
+        x.copy_(torch.randn(rows, n, generator=g).to(dtype))
+        k.fill_(n / 16)
+        t.fill_(1.0)
+        if constant_row:
+            x[1] = 0.25
+            k[1] = n / 2
+        if wide_row:
+            x[2] = torch.rand(n, generator=g).to(dtype)
+            k[2] = n / 2 + 0.25
+            t[2] = 0.01
+
+    fill(60, False, False)
+    graph, static_out = capture_graph(step)
+    for seed, constant_row, wide_row in [(61, False, False), (62, True, False), (63, False, True),
+                                         (64, True, True), (65, False, False)]:
+        fill(seed, constant_row, wide_row)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = step()
+        info = fastlapsum.lapsum_diagnostics(x, k, t, method="bracket")
+        # the rows meant to need the chain really do (a sorted set holds at most 8192 scores)
+        chained = [info.path[r].item() == fastlapsum.PATH_RADIX or info.middle_size[r].item() > 8192
+                   for r in range(rows)]
+        assert chained == [False, constant_row, wide_row], (info.path, info.middle_size)
+        for name, a, b in zip(("p", "b"), static_out, want):  # the same kernels: a stale row is far off
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert budget_error(static_out[0], k) <= BUDGET_TOL[dtype]
+
+
 def test_cuda_graph_topk_lengths():
     rows, n, k = 16, 20000, 512
     x = torch.randn(rows, n, device="cuda")

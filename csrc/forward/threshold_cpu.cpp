@@ -134,16 +134,21 @@ RowSolution solve_bracket(const Row<scalar_t>& row, int64_t row_index, int64_t f
     const double v = row(g.offset + s * g.stride);
     if (std::isfinite(v)) y.push_back(v + t * laplace_noise(static_cast<uint32_t>(s)));
   }
-  std::sort(y.begin(), y.end());
   const int64_t m = static_cast<int64_t>(y.size());
+  // The i-th smallest noised sample: a selection, not a sort (a try needs two of the
+  // sample's order statistics, and the sample is up to 65536 scores).
+  const auto order_stat = [&](int64_t i) {
+    std::nth_element(y.begin(), y.begin() + i, y.end());
+    return y[i];
+  };
   double known_lo = -INFINITY, known_hi = INFINITY;  // b >= known_lo, b < known_hi
   int64_t middle = 0;
   int tries = 0;  // certification passes made
   for (int attempt = 0; attempt < kBracketAttempts && m > 0; ++attempt) {
     int64_t il, iu;
     bracket_indices(m, static_cast<double>(finite), k, attempt, &il, &iu);
-    const double aL = std::max(il < 0 ? -INFINITY : y[il], known_lo);
-    const double aR = std::min(iu >= m ? INFINITY : y[iu], known_hi);
+    const double aL = std::max(il < 0 ? -INFINITY : order_stat(il), known_lo);
+    const double aR = std::min(iu >= m ? INFINITY : order_stat(iu), known_hi);
     if (!(aL < aR)) continue;  // what earlier tries learnt leaves no room: widen
     const int64_t cap = middle_capacity(finite, m, il, iu);
     ++tries;
