@@ -24,7 +24,8 @@ struct SampleGeometry {
 // Sample about kSampleScale * n^(2/3) scores (clamped), at a row-dependent offset. The
 // middle set shrinks as 1/sqrt(m): at 4 n^(2/3) a Gaussian row of 1e6 (k = n/16) gathers
 // ~2.6K scores instead of ~6K, and rows up to 2^21 fit the CUDA solver's on-chip sort, for
-// a sample that is still a small fraction of the row (4% at 1e6, <= 65536 scores).
+// a sample that is still a small fraction of the row (4% at 1e6, about 65536 at most: the
+// stride is rounded down).
 constexpr double kSampleScale = 4.0;
 FLS_HD SampleGeometry sample_geometry(int64_t n, int64_t row) {
   double target = cbrt(static_cast<double>(n));

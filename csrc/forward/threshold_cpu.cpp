@@ -136,7 +136,7 @@ RowSolution solve_bracket(const Row<scalar_t>& row, int64_t row_index, int64_t f
   }
   const int64_t m = static_cast<int64_t>(y.size());
   // The i-th smallest noised sample: a selection, not a sort (a try needs two of the
-  // sample's order statistics, and the sample is up to 65536 scores).
+  // sample's order statistics, and the sample is up to ~65536 scores).
   const auto order_stat = [&](int64_t i) {
     std::nth_element(y.begin(), y.begin() + i, y.end());
     return y[i];

@@ -31,7 +31,6 @@
 #include <algorithm>
 #include <cfloat>
 #include <limits>
-#include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -67,7 +66,7 @@ constexpr int64_t kSideBlocks = 128;  // blocks per row of the sides pass
 constexpr int kMaxSidesSlices = (kMaxChunks + kSideBlocks - 1) / kSideBlocks;  // middle slices per sides block
 constexpr unsigned kMiddleBlocks = 256;  // blocks per row of a level over the middle set
 // Rows up to this length try to solve their middle set on chip (sorted_middle_kernel), up to
-// kSortedMaxItems scores a thread (8192): a Gaussian row of 2^21 gathers ~4.8K scores (k = n/16,
+// kSortedMaxItems = 16 scores a thread (8192 in all): a Gaussian row of 2^21 gathers ~4.8K scores (k = n/16,
 // t = 1), one of 1e6 ~2.6K, one of 1e5 ~640 (bracket_rule.h's sample of 4 n^(2/3)).
 constexpr int64_t kSortedMiddleMaxN = int64_t(1) << 21;
 constexpr int kSortedMaxItems = 16;
@@ -1110,9 +1109,9 @@ sorted_middle_kernel(RowState* __restrict__ state, const LevelPartial* __restric
     typename cub::BlockReduce<LevelPartial, kSortedThreads>::TempStorage fold;
     typename Offsets::TempStorage offsets;
     uint16_t map[kCapacity];  // each position's slice: after the offsets, before the sort
-    typename BlockSort<Key, kSortedMaxItems / 4>::TempStorage sort_quarter;
-    typename BlockSort<Key, kSortedMaxItems / 2>::TempStorage sort_half;
-    typename BlockSort<Key, kSortedMaxItems>::TempStorage sort_full;
+    typename BlockSort<Key, kSortedMaxItems / 4>::TempStorage sort4;
+    typename BlockSort<Key, kSortedMaxItems / 2>::TempStorage sort8;
+    typename BlockSort<Key, kSortedMaxItems>::TempStorage sort16;
     SolveStorage solve;  // after the sort
   } sm;
   __shared__ CensusStorage<Key> census;
@@ -1161,13 +1160,13 @@ sorted_middle_kernel(RowState* __restrict__ state, const LevelPartial* __restric
         __syncthreads();
         const double* mr = middle + r * chunks * cap;
         if (m <= kCapacity / 4)
-          b = solve_middle_set<scalar_t, kSortedMaxItems / 4>(sm.sort_quarter, sm.solve, census, last_v, sm.map,
+          b = solve_middle_set<scalar_t, kSortedMaxItems / 4>(sm.sort4, sm.solve, census, last_v, sm.map,
                                                               s_start, mr, cap, m, st, tails);
         else if (m <= kCapacity / 2)
-          b = solve_middle_set<scalar_t, kSortedMaxItems / 2>(sm.sort_half, sm.solve, census, last_v, sm.map,
+          b = solve_middle_set<scalar_t, kSortedMaxItems / 2>(sm.sort8, sm.solve, census, last_v, sm.map,
                                                               s_start, mr, cap, m, st, tails);
         else
-          b = solve_middle_set<scalar_t, kSortedMaxItems>(sm.sort_full, sm.solve, census, last_v, sm.map, s_start,
+          b = solve_middle_set<scalar_t, kSortedMaxItems>(sm.sort16, sm.solve, census, last_v, sm.map, s_start,
                                                           mr, cap, m, st, tails);
       }
       if (b >= a_lo && b <= a_hi) {  // certified (a NaN fails too)
@@ -1186,6 +1185,14 @@ sorted_middle_kernel(RowState* __restrict__ state, const LevelPartial* __restric
     if (tid == 0) state[r] = st;
     __syncthreads();
   }
+}
+
+// The sorted middle-set kernel for scalar_t's rows, or none: fp64 rows (64-bit keys) take the
+// binning levels. (A function template, so that the fp64 kernel is never named.)
+template <typename scalar_t>
+constexpr auto sorted_middle_for() -> decltype(&sorted_middle_kernel<float>) {
+  if constexpr (sizeof(scalar_t) > 4) return nullptr;
+  else return &sorted_middle_kernel<scalar_t>;
 }
 
 // ---- sides and solve ----------------------------------------------------------------------
@@ -1408,9 +1415,9 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
       launch_dependent(level_kernel<scalar_t>, grid, kLevelThreads, 0, stream, xp, st, mp, cp, cap, hs, lp, rows, n,
                        sign, level);
       if (level == 0 && !sort) {  // gathered only: level 1 bins the set, unless it is solved on chip here
-        if constexpr (sizeof(scalar_t) <= 4) {  // fp64 rows (64-bit keys) take the binning levels
+        if (constexpr auto sorted_middle = sorted_middle_for<scalar_t>(); sorted_middle != nullptr) {
           if (n <= kSortedMiddleMaxN)
-            launch_dependent(sorted_middle_kernel<scalar_t>, row_blocks, kSortedThreads, 0, stream, st, lp,
+            launch_dependent(sorted_middle, row_blocks, kSortedThreads, 0, stream, st, lp,
                              static_cast<int>(chunks), mp, cp, cap, k.const_data_ptr<double>(), bp, ep, dp, rows, n,
                              sign);
         }
