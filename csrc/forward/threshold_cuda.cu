@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <limits>
+#include <type_traits>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -66,8 +67,9 @@ constexpr int64_t kSideBlocks = 128;  // blocks per row of the sides pass
 constexpr int kMaxSidesSlices = (kMaxChunks + kSideBlocks - 1) / kSideBlocks;  // middle slices per sides block
 constexpr unsigned kMiddleBlocks = 256;  // blocks per row of a level over the middle set
 // Rows up to this length try to solve their middle set on chip (sorted_middle_kernel), up to
-// kSortedMaxItems = 16 scores a thread (8192 in all): a Gaussian row of 2^21 gathers ~4.8K scores (k = n/16,
-// t = 1), one of 1e6 ~2.6K, one of 1e5 ~640 (bracket_rule.h's sample of 4 n^(2/3)).
+// kSortedMaxItems = 16 scores a thread (8192 in all): a Gaussian row of 2^21 gathers ~4.8K
+// scores (k = n/16, t = 1), one of 1e6 ~2.6K, one of 1e5 ~640 (bracket_rule.h's sample of
+// 4 n^(2/3)).
 constexpr int64_t kSortedMiddleMaxN = int64_t(1) << 21;
 constexpr int kSortedMaxItems = 16;
 
