@@ -53,9 +53,8 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
   begin_dependent_grid();
   using SK = SortKey<scalar_t>;
   using Key = typename SK::Key;
-  using Sort = BlockSort<Key, kItems>;
   __shared__ union {
-    typename Sort::TempStorage sort;
+    SortStorage<Key, kItems> sort;
     SolveStorage solve;  // after the sort
   } sm;
   __shared__ CensusStorage<Key> census;
@@ -70,7 +69,7 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
   // Striped loads (coalesced); only the keys stay (the mask re-reads the row from L2).
   Key keys[kItems];
   int nan = 0, pinf = 0, ninf = 0;
-  Key key_and = ~Key(0), key_or = 0;
+  Key key_and = ~Key(0), key_or = 0, key_min = ~Key(0), key_max = 0;
 #pragma unroll
   for (int q = 0; q < kItems; ++q) {
     const int64_t i = q * kShortThreads + tid;
@@ -82,14 +81,16 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
       ninf += s == -INFINITY;
       key_and &= keys[q];
       key_or |= keys[q];
+      key_min = keys[q] < key_min ? keys[q] : key_min;
+      key_max = keys[q] > key_max ? keys[q] : key_max;
     }
   }
-  const Census<Key> c = take_census(census, nan, pinf, ninf, key_and, key_or);
+  const Census<Key> c = take_census(census, nan, pinf, ninf, key_and, key_or, key_min, key_max);
   double b, edge, kf;
   const bool settled = settle_row(k, t, static_cast<double>(n), c.nan, c.pinf, c.ninf, &b, &edge, &kf);
 
   if (!settled) {  // uniform across the block
-    sort_descending<Sort>(sm.sort, keys, n, c);  // positions [0, n) hold the row
+    sort_descending<Key, SK, kItems>(sm.sort, keys, n, c);  // positions [0, n) hold the row
     const int first = c.pinf, end = static_cast<int>(n) - c.ninf;  // finite positions [first, end)
     b = solve_sorted<Key, SK, kItems>(sm.solve, last_v, keys, first, end, kf, t, SortedTails{});
   }

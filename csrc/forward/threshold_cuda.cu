@@ -59,7 +59,10 @@ constexpr int kScanThreads = 256;  // 512 (4 bins per thread) measured no faster
 constexpr int kScanBins = kBins / kScanThreads;  // consecutive bins per scan thread
 constexpr int kProposeThreads = 256;
 constexpr int kSampleKeys = 8;  // sample keys per propose thread, kept in registers
-constexpr unsigned kStopKeys = 2;  // propose stops at a bucket with at most this many sample keys
+// Propose stops at a bucket with at most this many sample keys. 8 (was 2): the third digit's
+// round trip (~4 us at 1e6, where 2 often sent it there) saved for a few more middle scores
+// (a bucket of two digits holds ~15 scores of a Gaussian 1e6 row at k = n/16).
+constexpr unsigned kStopKeys = 8;
 constexpr int64_t kFirstHistWords = kBins + 32;  // per row: the first digit's counts, the barrier counter
 constexpr int kSolveThreads = 256;
 constexpr int64_t kMaxChunks = 1024;  // blocks per row in the row-wide passes
@@ -438,8 +441,9 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
         }
         done += bits;
         // Two digits or more, and each end's bucket holds at most kStopKeys sample keys: the
-        // bucket's outer edge is as good an end as the key (it adds about one sample spacing to
-        // the bracket), and a digit's round trips are saved. The same decision in every block.
+        // bucket's outer edge is as good an end as the key (it adds at most kStopKeys sample
+        // spacings to the bracket), and a digit's round trips are saved. The same decision in
+        // every block.
         if (level + 1 == kDigits || (level >= 1 && s_in_bucket[0] <= kStopKeys && s_in_bucket[1] <= kStopKeys)) break;
         // The next digit of this block's keys under each end's prefix.
         for (int j = threadIdx.x; j < 2 * kBins; j += blockDim.x) hist[j / kBins][j % kBins] = 0;
@@ -482,7 +486,6 @@ __global__ void __launch_bounds__(kLevelThreads, 2)
 level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state, double* __restrict__ middle,
              unsigned* __restrict__ slice_count, int64_t cap, BinSums* __restrict__ hist,
              LevelPartial* __restrict__ partial, int64_t rows, int64_t n, double sign, int level) {
-  begin_dependent_grid();
   using KT = KeyTraits<scalar_t>;
   using Key = typename KT::Key;
   using F = compute_t<scalar_t>;
@@ -491,8 +494,38 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
   using Reduce = cub::BlockReduce<LevelPartial, kLevelThreads>;
   __shared__ typename Reduce::TempStorage red;
   __shared__ uint32_t tile_tot[2][kLevelThreads / 32];  // tiles alternate (see run_tiles)
-  __shared__ unsigned s_count[kBins];
-  __shared__ double s_U[kBins], s_L[kBins];
+  // The bins, or (level 0, before the wait) this block's first tile: a gathering row has no bins.
+  __shared__ union {
+    struct {
+      double U[kBins], L[kBins];
+      unsigned count[kBins];
+    } bins;
+    uint4 tile[kLevelUnroll * kLevelThreads];
+  } sb;
+  unsigned* const s_count = sb.bins.count;
+  double* const s_U = sb.bins.U;
+  double* const s_L = sb.bins.L;
+  // Level 0 reads every row from x, which no kernel of the solver writes and which was complete
+  // before its first kernel (the workspace fill, an ordinary launch) began. So this block's
+  // first tile of its first row is loaded before the wait for propose and parked in shared
+  // memory: a dependent launch starts while propose runs, and the tile's DRAM round trip
+  // overlaps it instead of following it (a gathering block of a row up to ~1M fp32 scores has
+  // just that one tile). Parked, not held: registers held across the row loop spill.
+  const scalar_t past_end = static_cast<scalar_t>(sign > 0.0 ? -INFINITY : INFINITY);  // -inf, signed
+  const bool early = level == 0 && blockIdx.y < rows && int64_t(blockIdx.x) * level_tile<scalar_t>() < n;
+  if (early) {
+    const scalar_t* xr = x + int64_t(blockIdx.y) * n;
+    RawVec<scalar_t> v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      v[u] = load_raw<scalar_t>(xr, n, int64_t(blockIdx.x) * level_tile<scalar_t>() +
+                                           (int64_t(u) * kLevelThreads + threadIdx.x) * V,
+                                is_aligned16(xr), past_end);
+#pragma unroll
+    for (int u = 0; u < U; ++u) sb.tile[u * kLevelThreads + threadIdx.x] = v[u].raw;
+    __syncthreads();  // every thread's tile is parked before any thread zeroes the bins over it
+  }
+  begin_dependent_grid();
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const RowState st = state[r];
     if (st.status != kRefineMiddle && st.status != kRefineRow) continue;  // uniform across the block
@@ -577,7 +610,6 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
       int64_t used = 0;  // gathered so far by the block (the same in every thread)
       unsigned above_n = 0, pinf_n = 0, ninf_n = 0, nan_n = 0;
       static_assert(U * V <= 32, "one bit per score of a thread's tile");
-      const scalar_t past_end = static_cast<scalar_t>(sign > 0.0 ? -INFINITY : INFINITY);  // -inf, signed
       const auto load_tile = [&](RawVec<scalar_t>(&vec)[U], int64_t tl) {
 #pragma unroll
         for (int u = 0; u < U; ++u)
@@ -678,7 +710,14 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
         constexpr bool kGather = decltype(gather_tag)::value;
         RawVec<scalar_t> vec[U];
         int par = 0;  // the warp-total array of this tile
-        if (kGather && blockIdx.x < tiles) load_tile(vec, blockIdx.x);
+        if (kGather && blockIdx.x < tiles) {
+          if (early && r == blockIdx.y) {  // this thread's own parked vectors: no barrier needed
+#pragma unroll
+            for (int u = 0; u < U; ++u) vec[u].raw = sb.tile[u * kLevelThreads + threadIdx.x];
+          } else {
+            load_tile(vec, blockIdx.x);
+          }
+        }
         for (int64_t tl = blockIdx.x; tl < tiles; tl += gridDim.x) {
           RawVec<scalar_t> next[U];  // a gathering pass prefetches (a binning one has no registers to spare)
           if (!kGather) load_tile(vec, tl);
@@ -1062,7 +1101,7 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
 // q * kSortedThreads + tid, from slice `map[position]`), sorts it and solves the row with the
 // tails. Every thread gets b.
 template <typename scalar_t, int kItems, typename Key = typename SortKey<scalar_t>::Key>
-__device__ __forceinline__ double solve_middle_set(typename BlockSort<Key, kItems>::TempStorage& sort,
+__device__ __forceinline__ double solve_middle_set(SortStorage<Key, kItems>& sort,
                                                    SolveStorage& solve, CensusStorage<Key>& census,
                                                    double (&last_v)[kWarps], const uint16_t* map,
                                                    const unsigned* s_start, const double* __restrict__ middle,
@@ -1070,7 +1109,7 @@ __device__ __forceinline__ double solve_middle_set(typename BlockSort<Key, kItem
                                                    const SortedTails& tails) {
   using SK = SortKey<scalar_t>;
   Key keys[kItems];
-  Key key_and = ~Key(0), key_or = 0;
+  Key key_and = ~Key(0), key_or = 0, key_min = ~Key(0), key_max = 0;
 #pragma unroll
   for (int q = 0; q < kItems; ++q) {
     const unsigned i = q * kSortedThreads + threadIdx.x;
@@ -1079,9 +1118,11 @@ __device__ __forceinline__ double solve_middle_set(typename BlockSort<Key, kItem
     keys[q] = SK::key(middle[c * cap + (i - s_start[c])]);
     key_and &= keys[q];
     key_or |= keys[q];
+    key_min = keys[q] < key_min ? keys[q] : key_min;
+    key_max = keys[q] > key_max ? keys[q] : key_max;
   }
   // take_census's barrier ends the map's use: the sort's storage may alias it.
-  sort_descending<BlockSort<Key, kItems>>(sort, keys, m, take_census(census, 0, 0, 0, key_and, key_or));
+  sort_descending<Key, SK, kItems>(sort, keys, m, take_census(census, 0, 0, 0, key_and, key_or, key_min, key_max));
   return solve_sorted<Key, SK, kItems>(solve, last_v, keys, 0, static_cast<int>(m), st.k, st.t, tails);
 }
 
@@ -1111,9 +1152,9 @@ sorted_middle_kernel(RowState* __restrict__ state, const LevelPartial* __restric
     typename cub::BlockReduce<LevelPartial, kSortedThreads>::TempStorage fold;
     typename Offsets::TempStorage offsets;
     uint16_t map[kCapacity];  // each position's slice: after the offsets, before the sort
-    typename BlockSort<Key, kSortedMaxItems / 4>::TempStorage sort4;
-    typename BlockSort<Key, kSortedMaxItems / 2>::TempStorage sort8;
-    typename BlockSort<Key, kSortedMaxItems>::TempStorage sort16;
+    SortStorage<Key, kSortedMaxItems / 4> sort4;
+    SortStorage<Key, kSortedMaxItems / 2> sort8;
+    SortStorage<Key, kSortedMaxItems> sort16;
     SolveStorage solve;  // after the sort
   } sm;
   __shared__ CensusStorage<Key> census;
@@ -1122,16 +1163,18 @@ sorted_middle_kernel(RowState* __restrict__ state, const LevelPartial* __restric
   __shared__ unsigned s_start[kMaxChunks];  // each slice's first position in the set
   const int tid = threadIdx.x;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    // The state, the partials and the slices' sizes in one round trip: level 0 wrote them for
+    // every row of a bracketed launch, so they are read before the state says whether to.
     RowState st = state[r];
-    if (st.status != kRefineMiddle || st.certify != kCertifyRow) continue;  // uniform
     const double k = k_in[r];
-    unsigned count[kSlices], start[kSlices], m;  // the slices' sizes, loaded with the partials
+    unsigned count[kSlices], start[kSlices], m;
 #pragma unroll
     for (int q = 0; q < kSlices; ++q) {
       const int c = tid * kSlices + q;
       count[q] = c < chunks ? slice_count[r * chunks + c] : 0u;
     }
     const LevelPartial total = fold_partials<kSortedThreads>(partial + r * chunks, chunks, sm.fold, s_total);
+    if (st.status != kRefineMiddle || st.certify != kCertifyRow) continue;  // uniform
     // Where each slice's scores go in the set (fold_partials ended with a barrier).
     Offsets(sm.offsets).ExclusiveSum(count, start, m);
 #pragma unroll
@@ -1376,6 +1419,8 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     const auto bytes = [&](int64_t count) { return at::empty({count}, x.options().dtype(at::kByte)); };
     constexpr int kDigits = digits_for(KeyTraits<scalar_t>::kBits);
     // One zeroed buffer (one fill): the bins, then propose's first-digit counts and barrier counters.
+    // The fill is an ordinary launch before propose: level 0 relies on it (it reads x before
+    // waiting for propose, see level_kernel).
     const int64_t hist_bytes = rows * kBins * int64_t(sizeof(BinSums));
     at::Tensor zeroed = at::zeros({hist_bytes + (sort ? 0 : rows * kFirstHistWords * 4)}, x.options().dtype(at::kByte));
     at::Tensor later_hist = bytes(sort ? 1 : rows * (kDigits - 1) * 2 * kBins * 4);
