@@ -9,11 +9,12 @@ import os
 import subprocess
 import sys
 
-# (n, k / n): the bracket's sorted middle set (k = n/16 up to 2^21), the binning chain after it
-# (4e6, 1e7, and k = n/2, whose middle sets exceed one CTA).
-CASES = [(100_000, 1 / 16), (262_144, 1 / 16), (500_000, 1 / 16), (1_000_000, 1 / 16), (1 << 20, 1 / 16),
-         (2_000_000, 1 / 16), (1 << 21, 1 / 16), (4_000_000, 1 / 16), (10_000_000, 1 / 16),
-         (1_000_000, 1 / 2), (2_000_000, 1 / 2)]
+# (rows, n, k / n): short rows (one CTA each), the bracket's sorted middle set (k = n/16 up to
+# 2^21), the binning chain after it (4e6, 1e7, and k = n/2, whose middle sets exceed one CTA).
+CASES = [(16, 4096, 1 / 16), (256, 1000, 1 / 16),
+         (1, 100_000, 1 / 16), (1, 262_144, 1 / 16), (1, 500_000, 1 / 16), (1, 1_000_000, 1 / 16),
+         (1, 1 << 20, 1 / 16), (1, 2_000_000, 1 / 16), (1, 1 << 21, 1 / 16), (1, 4_000_000, 1 / 16),
+         (1, 10_000_000, 1 / 16), (1, 1_000_000, 1 / 2), (1, 2_000_000, 1 / 2)]
 
 
 def measure():
@@ -24,14 +25,14 @@ def measure():
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = []
-    for n, frac in CASES:
-        x = torch.randn(1, n, generator=gen, device="cuda")
-        k = torch.full((1,), n * frac, dtype=torch.float64, device="cuda")
-        t = torch.ones(1, dtype=torch.float64, device="cuda")
+    for rows, n, frac in CASES:
+        x = torch.randn(rows, n, generator=gen, device="cuda")
+        k = torch.full((rows,), n * frac, dtype=torch.float64, device="cuda")
+        t = torch.ones(rows, dtype=torch.float64, device="cuda")
         ms = graph_median_ms(lambda: fastlapsum.soft_topk(x, k, t))
-        err = abs(fastlapsum.soft_topk(x, k, t).double().sum().item() - n * frac) / (n * frac)
+        err = (fastlapsum.soft_topk(x, k, t).double().sum(-1) - n * frac).abs().max().item() / (n * frac)
         middle = int(fastlapsum.lapsum_diagnostics(x, n * frac, 1.0).middle_size.flatten()[0])
-        out.append((n, frac, round(ms * 1e3, 1), middle, f"{err:.0e}"))
+        out.append((f"{rows}x{n}" if rows > 1 else n, frac, round(ms * 1e3, 1), middle, f"{err:.0e}"))
     print(json.dumps(out))
 
 
