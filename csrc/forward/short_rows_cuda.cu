@@ -2,8 +2,9 @@
 // (sorted_solve.cuh) and, for the forward op, writes the mask in the same kernel (one read
 // of the row to solve, one re-read from L2 and one write for the mask).
 //
-// One census of the row (non-finite counts, and which key bits vary) settles the rows
-// without an interior root and bounds the radix sort to the varying bits.
+// One census of the row (non-finite counts, which key bits vary, the keys' range) settles the
+// rows without an interior root, sizes the bucket pass and bounds the radix sort to the
+// varying bits.
 #include <ATen/Dispatch.h>
 
 #include <cstdint>

@@ -1,6 +1,7 @@
 // The on-chip sort solver of DESIGN §1.1, shared by the short-row kernel (a whole row,
 // short_rows_cuda.cu) and the long-row solver's sorted middle set (threshold_cuda.cu): one
-// CTA sorts the finite scores in shared memory (CUB block radix sort) and scans them.
+// CTA sorts the finite scores in shared memory (a bucket pass by value, or CUB's block radix
+// sort where the buckets would be crowded) and scans them.
 //
 // With f_j = e^{(s_j - s_{j-1})/t} over the descending scores, both §1.1 sums follow the
 // affine recurrence x -> f_j (x + 1):
@@ -11,7 +12,8 @@
 // first score where Psi >= k bounds the root's gap, which every thread then solves in
 // closed form from the owner's coefficients. Scores outside the sorted ones (a middle
 // set's tails) enter as the scans' starting values. Deterministic: fixed arrangement,
-// fixed scan trees, and only integer max/and/or/sum reductions.
+// fixed scan trees, and only integer max/and/or/sum reductions (the bucket pass's atomics
+// order equal keys only, which are the same score).
 #pragma once
 
 #include <cstdint>
