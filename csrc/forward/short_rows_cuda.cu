@@ -70,7 +70,7 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
   // Striped loads (coalesced); only the keys stay (the mask re-reads the row from L2).
   Key keys[kItems];
   int nan = 0, pinf = 0, ninf = 0;
-  Key key_and = ~Key(0), key_or = 0, key_min = ~Key(0), key_max = 0;
+  KeyStats<Key> stats;
 #pragma unroll
   for (int q = 0; q < kItems; ++q) {
     const int64_t i = q * kShortThreads + tid;
@@ -80,13 +80,10 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
       nan += s != s;
       pinf += s == INFINITY;
       ninf += s == -INFINITY;
-      key_and &= keys[q];
-      key_or |= keys[q];
-      key_min = keys[q] < key_min ? keys[q] : key_min;
-      key_max = keys[q] > key_max ? keys[q] : key_max;
+      stats.add(keys[q]);
     }
   }
-  const Census<Key> c = take_census(census, nan, pinf, ninf, key_and, key_or, key_min, key_max);
+  const Census<Key> c = take_census(census, nan, pinf, ninf, stats);
   double b, edge, kf;
   const bool settled = settle_row(k, t, static_cast<double>(n), c.nan, c.pinf, c.ninf, &b, &edge, &kf);
 

@@ -82,8 +82,8 @@ struct SortKey<double> {
 };
 
 // Warp-wide integer reductions (one REDUX on sm_80+; a butterfly before).
-template <typename Op>
-__device__ __forceinline__ uint32_t warp_fold(uint32_t x, Op op) {
+template <typename T, typename Op>
+__device__ __forceinline__ T warp_fold(T x, Op op) {
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) x = op(x, __shfl_xor_sync(kFullMask, x, d));
   return x;
@@ -139,20 +139,10 @@ __device__ __forceinline__ uint32_t warp_max(uint32_t x) {
 #endif
 }
 __device__ __forceinline__ uint64_t warp_min(uint64_t x) {
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) {
-    const uint64_t o = __shfl_xor_sync(kFullMask, x, d);
-    x = o < x ? o : x;
-  }
-  return x;
+  return warp_fold(x, [](uint64_t a, uint64_t b) { return a < b ? a : b; });
 }
 __device__ __forceinline__ uint64_t warp_max(uint64_t x) {
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) {
-    const uint64_t o = __shfl_xor_sync(kFullMask, x, d);
-    x = o > x ? o : x;
-  }
-  return x;
+  return warp_fold(x, [](uint64_t a, uint64_t b) { return a > b ? a : b; });
 }
 // What the solver needs to know about a row before sorting it.
 template <typename Key>
@@ -160,6 +150,18 @@ struct Census {
   int nan, pinf, ninf;
   Key key_and, key_or;  // over the real scores: the bits where they differ need sorting
   Key key_min, key_max;  // and their range (bucket_sort_descending)
+};
+
+// A thread's running and/or/min/max of its keys, the census's input.
+template <typename Key>
+struct KeyStats {
+  Key all = ~Key(0), any = 0, min = ~Key(0), max = 0;  // and, or, min, max
+  __device__ __forceinline__ void add(Key k) {
+    all &= k;
+    any |= k;
+    min = k < min ? k : min;
+    max = k > max ? k : max;
+  }
 };
 
 template <typename Key>
@@ -171,14 +173,12 @@ struct CensusStorage {
 // Block-wide census from each thread's counts (< 1024 per warp: packed 10 bits a field)
 // and key and/or/min/max. Every thread gets the totals.
 template <typename Key>
-__device__ __forceinline__ Census<Key> take_census(CensusStorage<Key>& st, int nan, int pinf, int ninf, Key key_and,
-                                                   Key key_or, Key key_min, Key key_max) {
+__device__ __forceinline__ Census<Key> take_census(CensusStorage<Key>& st, int nan, int pinf, int ninf,
+                                                   const KeyStats<Key>& keys) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const uint32_t packed = warp_sum(uint32_t(nan) | uint32_t(pinf) << 10 | uint32_t(ninf) << 20);
-  key_and = warp_and(key_and);
-  key_or = warp_or(key_or);
-  key_min = warp_min(key_min);
-  key_max = warp_max(key_max);
+  const Key key_and = warp_and(keys.all), key_or = warp_or(keys.any), key_min = warp_min(keys.min),
+            key_max = warp_max(keys.max);
   if (lane == 0) {
     st.counts[warp] = packed;
     st.key_and[warp] = key_and;

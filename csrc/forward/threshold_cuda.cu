@@ -512,15 +512,18 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
   // overlaps it instead of following it (a gathering block of a row up to ~1M fp32 scores has
   // just that one tile). Parked, not held: registers held across the row loop spill.
   const scalar_t past_end = static_cast<scalar_t>(sign > 0.0 ? -INFINITY : INFINITY);  // -inf, signed
+  // This thread's vectors of tile tl of row xr, raw (scores past the row's end read as past_end).
+  const auto load_tile = [&](RawVec<scalar_t>(&vec)[U], const scalar_t* xr, bool aligned, int64_t tl) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      vec[u] = load_raw<scalar_t>(xr, n, tl * level_tile<scalar_t>() + (int64_t(u) * kLevelThreads + threadIdx.x) * V,
+                                  aligned, past_end);
+  };
   const bool early = level == 0 && blockIdx.y < rows && int64_t(blockIdx.x) * level_tile<scalar_t>() < n;
   if (early) {
     const scalar_t* xr = x + int64_t(blockIdx.y) * n;
     RawVec<scalar_t> v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      v[u] = load_raw<scalar_t>(xr, n, int64_t(blockIdx.x) * level_tile<scalar_t>() +
-                                           (int64_t(u) * kLevelThreads + threadIdx.x) * V,
-                                is_aligned16(xr), past_end);
+    load_tile(v, xr, is_aligned16(xr), blockIdx.x);
 #pragma unroll
     for (int u = 0; u < U; ++u) sb.tile[u * kLevelThreads + threadIdx.x] = v[u].raw;
     __syncthreads();  // every thread's tile is parked before any thread zeroes the bins over it
@@ -610,12 +613,6 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
       int64_t used = 0;  // gathered so far by the block (the same in every thread)
       unsigned above_n = 0, pinf_n = 0, ninf_n = 0, nan_n = 0;
       static_assert(U * V <= 32, "one bit per score of a thread's tile");
-      const auto load_tile = [&](RawVec<scalar_t>(&vec)[U], int64_t tl) {
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-          vec[u] = load_raw<scalar_t>(xr, n, tl * tile + (int64_t(u) * kLevelThreads + threadIdx.x) * V, aligned,
-                                      past_end);
-      };
       // One tile: the tails, and a bit per score inside the range (a gathering pass gathers
       // those, a binning pass bins them with consider()). The loop keeps to the FMA pipe
       // (compares, selects and bit logic run at half rate on sm_90): sides are 0/1 factors,
@@ -715,13 +712,13 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
 #pragma unroll
             for (int u = 0; u < U; ++u) vec[u].raw = sb.tile[u * kLevelThreads + threadIdx.x];
           } else {
-            load_tile(vec, blockIdx.x);
+            load_tile(vec, xr, aligned, blockIdx.x);
           }
         }
         for (int64_t tl = blockIdx.x; tl < tiles; tl += gridDim.x) {
           RawVec<scalar_t> next[U];  // a gathering pass prefetches (a binning one has no registers to spare)
-          if (!kGather) load_tile(vec, tl);
-          else if (tl + gridDim.x < tiles) load_tile(next, tl + gridDim.x);
+          if (!kGather) load_tile(vec, xr, aligned, tl);
+          else if (tl + gridDim.x < tiles) load_tile(next, xr, aligned, tl + gridDim.x);
           const unsigned in_bits = classify(vec, tl, gather_tag, far_tag);
           if (kGather) {
             // One block scan per tile keeps the buffer's order deterministic. Its barrier is
@@ -1109,20 +1106,17 @@ __device__ __forceinline__ double solve_middle_set(SortStorage<Key, kItems>& sor
                                                    const SortedTails& tails) {
   using SK = SortKey<scalar_t>;
   Key keys[kItems];
-  Key key_and = ~Key(0), key_or = 0, key_min = ~Key(0), key_max = 0;
+  KeyStats<Key> stats;
 #pragma unroll
   for (int q = 0; q < kItems; ++q) {
     const unsigned i = q * kSortedThreads + threadIdx.x;
     if (i >= m) continue;
     const unsigned c = map[i];
     keys[q] = SK::key(middle[c * cap + (i - s_start[c])]);
-    key_and &= keys[q];
-    key_or |= keys[q];
-    key_min = keys[q] < key_min ? keys[q] : key_min;
-    key_max = keys[q] > key_max ? keys[q] : key_max;
+    stats.add(keys[q]);
   }
   // take_census's barrier ends the map's use: the sort's storage may alias it.
-  sort_descending<Key, SK, kItems>(sort, keys, m, take_census(census, 0, 0, 0, key_and, key_or, key_min, key_max));
+  sort_descending<Key, SK, kItems>(sort, keys, m, take_census(census, 0, 0, 0, stats));
   return solve_sorted<Key, SK, kItems>(solve, last_v, keys, 0, static_cast<int>(m), st.k, st.t, tails);
 }
 
