@@ -7,7 +7,7 @@
 # Knobs: STEPS (also profile, timeline, profile_topk, ncu, ncu_hard, ncu_source, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
 # NCU_KERNELS, NCU_SIZES, NCU_HARD_SHAPE, NCU_HARD_K, NCU_METRICS, NCU_EXTRA (e.g. --section SourceCounters),
 # NCU_SRC_KERNEL, NCU_SRC_SKIP, NCU_SRC_CMD (step ncu_source), BUDGET (seconds for the whole script).
-# PYTEST_EXTRA, BENCH_ARGS, BENCH_HARD_ARGS, TP_ARGS, GS_ARGS, L0_ARGS.
+# SLOW (0: skip slow tests), PYTEST_EXTRA (unquoted words only), BENCH_ARGS, BENCH_HARD_ARGS, TP_ARGS, GS_ARGS, L0_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fastlapsum_gpu_out}
@@ -37,7 +37,9 @@ run() {  # run NAME TIMEOUT CMD...: log to $L/NAME.log, show its tail
 for step in $STEPS; do
   case $step in
     build) run build 900 make build || true; [ -f fastlapsum/_C*.so ] || { tar czf "$OUT/gpu_check.tgz" -C "$OUT" logs; exit 1; } ;;
-    test) run tests "${TEST_TIMEOUT:-420}" $PY -m pytest ${TEST_PATHS:-tests} -q -rs ${PYTEST_EXTRA:-} ;;
+    test)  # SLOW=0 deselects the slow tests (a quoted -m expression cannot pass through PYTEST_EXTRA's word splitting)
+      if [ "${SLOW:-1}" = 0 ]; then set -- -m "not slow"; else set --; fi
+      run tests "${TEST_TIMEOUT:-420}" $PY -m pytest ${TEST_PATHS:-tests} -q -rs "$@" ${PYTEST_EXTRA:-} ;;
     demo) run demo 300 $PY examples/demo.py ;;
     bench) run bench_soft "${BENCH_TIMEOUT:-420}" $PY benchmarks/bench_soft_topk.py ${BENCH_ARGS:-} --out "$L/soft_topk_h200.json" ;;
     bench_hard) run bench_hard "${BENCH_TIMEOUT:-420}" $PY benchmarks/bench_hard_topk.py ${BENCH_HARD_ARGS:-} --out "$L/hard_topk_h200.json" ;;
