@@ -18,7 +18,11 @@ VARIANTS=${VARIANTS:-}
 n=$(( $(echo "$VARIANTS" | wc -w) + 1 ))
 jobs=${MAX_JOBS:-$(( 16 / n > 2 ? 16 / n : 2 ))}
 MAX_JOBS=$jobs make build > "$L/build_tree.log" 2>&1 &
-while [ ! -f .venv/.ready ]; do sleep 2; done  # the variants build with the tree's venv
+tree_build=$!
+while [ ! -f .venv/.ready ]; do  # the variants build with the tree's venv
+  kill -0 "$tree_build" 2> /dev/null || { echo "!!! make build ended without a venv"; tail -20 "$L/build_tree.log"; exit 1; }
+  sleep 2
+done
 for d in $VARIANTS; do
   (cd "$d" && MAX_JOBS=$jobs ../.venv/bin/python setup.py build_ext --inplace > "$L/build_$d.log" 2>&1) &
 done
