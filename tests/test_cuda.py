@@ -387,13 +387,16 @@ def test_cuda_graph_soft_topk(dtype, n):
         assert static_out[2].double().sum(1).tolist() == kh.double().tolist()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_cuda_graph_sorted_set_and_chain(dtype):
     """Rows up to 2^21 are solved by the sorted middle set or, left unsolved by it, by the
     binning chain after it (its launches skip solved rows). Graph replays where some rows
     need the chain (a constant row at k = n/2: a middle set of the whole row, then the
     fallback; a uniform row at its median with t = 0.01: ~17K middle scores, too many for one
-    CTA) and replays where none does (Gaussian rows at k = n/16, ~2K) give the eager answers."""
+    CTA) and replays where none does (Gaussian rows at k = n/16, ~2K) give the eager answers.
+    fp64 rows have no sorted middle kernel: every row takes the chain, whose kernels read the
+    rows' status before they wait (rows_settled_early), so one launch has rows certified at
+    its first scan next to rows still in the fallback."""
     rows, n = 3, 1 << 19
     x = torch.zeros(rows, n, device="cuda", dtype=dtype)
     k = torch.zeros(rows, dtype=F64, device="cuda")
