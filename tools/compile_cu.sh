@@ -6,8 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-TI=$($PY -c "import torch.utils.cpp_extension as c; print(' '.join('-I'+p for p in c.include_paths()))")
-STD=$($PY -c "import torch; v=tuple(int(p) for p in torch.__version__.split('.')[:2]); print('c++20' if v >= (2, 10) else 'c++17')")
+# torch's headers and version found without importing torch (a CUDA build of torch may not
+# import on a machine without the CUDA libraries, e.g. libcudnn).
+TORCH_DIR=$($PY -c "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('torch').origin))")
+TI="-I$TORCH_DIR/include -I$TORCH_DIR/include/torch/csrc/api/include -I$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")"
+STD=$(sed -n "s/^__version__ = '\([0-9]*\)\.\([0-9]*\).*/\1 \2/p" "$TORCH_DIR/version.py" | awk '{print ($1 > 2 || $2 >= 10) ? "c++20" : "c++17"}')
 for f in "$@"; do
   echo "== $f"
   nvcc -c "$f" -o "/tmp/$(basename "$f").o" $TI -std=$STD -O3 --expt-relaxed-constexpr -lineinfo \
