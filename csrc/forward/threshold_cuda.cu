@@ -321,7 +321,15 @@ __device__ inline void bin_add(unsigned* count, double* U, double* L, int bin, d
 // middle kernel is not launched (`preread`): there it saved 3-5 us at 4e6 and 1e7 (fp32), but
 // after the sorted kernel (rows up to 2^21) it measured 1-2 us slower, for reasons not found.
 // (Exiting before the wait measured ~9 us slower at 1e5 .. 2^21: the next kernel's blocks are
-// then only launched when these exit. experiments_session24.)
+// then only launched when these exit; it would also break completion's transitivity through
+// the waits. experiments_session24.)
+// What this rests on, for whoever changes these kernels:
+// - no write moves a status back (solve or done -> refine, done -> anything);
+// - each kernel does nothing for a row that its predicate below calls settled (the check after
+//   its wait `continue`s before any write), so returning early skips nothing;
+// - a dependent launch's blocks are resident only after every block of the launch before it
+//   has passed its wait, so the launch two back (propose, at the first pre-read) has completed
+//   and its state is in L2, which __ldcg reads: no earlier call's stale state is ever seen.
 __device__ inline bool past_refine(int status) { return status != kRefineMiddle && status != kRefineRow; }
 __device__ inline bool is_done(int status) { return status == kDone; }
 
