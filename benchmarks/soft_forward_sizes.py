@@ -23,13 +23,13 @@ CASES = [(16, 4096, 1 / 16), (256, 1000, 1 / 16),
 CHAIN_CASES = [("t30", 1_000_000, 1 / 16, 30.0), ("uni", 1_000_000, 1 / 2, 0.01), ("const", 1_000_000, 1 / 2, 1.0)]
 
 
-def chain_row(kind, n, gen):
+def scores(kind, rows, n, gen):
     import torch
     if kind == "uni":
-        return torch.rand(1, n, generator=gen, device="cuda")
+        return torch.rand(rows, n, generator=gen, device="cuda")
     if kind == "const":
-        return torch.full((1, n), 0.25, device="cuda")
-    return torch.randn(1, n, generator=gen, device="cuda")
+        return torch.full((rows, n), 0.25, device="cuda")
+    return torch.randn(rows, n, generator=gen, device="cuda")  # Gaussian (CASES, "t30")
 
 
 def measure():
@@ -43,7 +43,7 @@ def measure():
     cases = [(f"{rows}x{n}" if rows > 1 else n, rows, n, frac, 1.0, None) for rows, n, frac in CASES]
     cases += [(f"{n}{kind}", 1, n, frac, temp, kind) for kind, n, frac, temp in CHAIN_CASES]
     for label, rows, n, frac, temp, kind in cases:
-        x = torch.randn(rows, n, generator=gen, device="cuda") if kind is None else chain_row(kind, n, gen)
+        x = scores(kind, rows, n, gen)
         k = torch.full((rows,), n * frac, dtype=torch.float64, device="cuda")
         t = torch.full((rows,), temp, dtype=torch.float64, device="cuda")
         ms = graph_median_ms(lambda: fastlapsum.soft_topk(x, k, t))
