@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Same-run A/B of the soft forward's graph time (benchmarks/soft_forward_sizes.py) on the GPU
+# Same-run A/B of the soft forward's graph time (benchmarks/soft_forward_sizes.py; or topk's,
+# SCRIPT=benchmarks/topk_shapes.py) on the GPU
 # machine: the working tree against variant directories made by ab_prepare.sh, all built in
 # parallel, then ROUNDS rounds run interleaved (one fresh process per variant per round: the
 # spread between processes, ~2 us at 1e6, is larger than that within one). Prints each round
 # and a table of per-case medians; logs and ab_sizes.json go to $OUT/logs.
 #   device run:  VARIANTS="ab_base ab_x" bash benchmarks/ab_sizes.sh
 # Knobs: VARIANTS (directories), ROUNDS (2), TEST_PATHS (run those tests on the working tree
-# first, e.g. "tests"; empty: none), MAX_JOBS (per build; 16 cores shared), BUILD=0 (a warm
+# first, e.g. "tests"; empty: none), SCRIPT (the timing script), MAX_JOBS (per build; 16 cores shared), BUILD=0 (a warm
 # machine that built them in an earlier call: time only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +43,7 @@ if [ -n "${TEST_PATHS:-}" ]; then
 fi
 for round in $(seq "${ROUNDS:-2}"); do
   for d in . $VARIANTS; do
-    line=$(cd "$d" && PYTHONPATH=. ROUNDS=1 "$ROOT/.venv/bin/python" benchmarks/soft_forward_sizes.py 2>&1 | tail -1)
+    line=$(cd "$d" && PYTHONPATH=. ROUNDS=1 "$ROOT/.venv/bin/python" "${SCRIPT:-benchmarks/soft_forward_sizes.py}" 2>&1 | tail -1)
     echo "$d r$round ${line#r0: }" | tee -a "$L/ab_rounds.txt"
   done
 done
@@ -58,7 +59,7 @@ for line in open(sys.argv[1]):
     rows.setdefault(name, []).append(cases)
 if not rows:
     sys.exit("no round gave a result (see the lines above)")
-head = [f"{c[0]}" + ("" if c[1] == 0.0625 else f"/k={c[1]}") for c in next(iter(rows.values()))[0]]
+head = [f"{c[0]}" + ("" if c[1] in (0.0625, None) else f"/k={c[1]}") for c in next(iter(rows.values()))[0]]
 print("median graph us   " + " ".join(f"{h:>9}" for h in head))
 table = {}
 for name, runs in rows.items():

@@ -328,8 +328,10 @@ __device__ inline void bin_add(unsigned* count, double* U, double* L, int bin, d
 // - each kernel does nothing for a row that its predicate below calls settled (the check after
 //   its wait `continue`s before any write), so returning early skips nothing;
 // - a dependent launch's blocks are resident only after every block of the launch before it
-//   has passed its wait, so the launch two back (propose, at the first pre-read) has completed
-//   and its state is in L2, which __ldcg reads: no earlier call's stale state is ever seen.
+//   has passed its wait, so the launch two back has completed and its state is in L2, which
+//   __ldcg reads: the first pre-read must come two launches after the rows' states are
+//   written (propose, or level 0 proposing for itself: then level 1 does not pre-read), so
+//   that no earlier call's stale state is ever seen.
 __device__ inline bool past_refine(int status) { return status != kRefineMiddle && status != kRefineRow; }
 __device__ inline bool is_done(int status) { return status == kDone; }
 
@@ -361,13 +363,124 @@ __device__ inline void row_barrier(unsigned* counter, unsigned target) {
   __syncthreads();
 }
 
-// The noised systematic sample of a row and two order statistics of it (radix select, 11-bit
-// digits) -> the bracket's key range, in one launch: a few blocks per row each keep
-// kSampleKeys keys per thread in registers, add each digit's counts (of the keys under either
-// end's prefix so far) to the row's global histogram, and after a row barrier every block
-// reads the whole histogram and takes the same next digit. rank < 0 or >= m leaves that end
-// open. The first digit's histogram and the barrier counter come zeroed; the later ones are
-// zeroed here before the first barrier.
+// A row's state before its first pass.
+template <typename KT>
+__device__ inline RowState initial_state(double k, double t, bool sort) {
+  RowState st{};
+  st.status = sort ? kRefineRow : kRefineMiddle;
+  st.certify = kCertifyRow;
+  st.lo_key = KT::min_key();
+  st.hi_key = KT::max_key();
+  st.k = k;
+  st.t = t;
+  st.above0 = Tail{0.0, 0.0, INFINITY};
+  st.below0 = Tail{0.0, 0.0, -INFINITY};
+  st.path = sort ? kPathRadix : kPathBracket;
+  st.attempts = sort ? 0 : 1;
+  return st;
+}
+
+// The radix select of the bracket's two order statistics over a row's noised sample, shared
+// by propose_kernel and the gathering pass that proposes for itself (level_kernel): the blocks
+// of a row add each digit's counts (of their sample keys under either end's prefix so far) to
+// the row's global histogram, and after a row barrier every block reads the whole histogram
+// and takes the same next digit. rank < 0 or >= m leaves that end open.
+struct SampleSelect {
+  int64_t rank[2];       // each end's rank left inside its bucket
+  uint64_t prefix[2];    // each end's key prefix so far
+  unsigned in_bucket[2];  // sample keys in each end's bucket so far
+};
+
+// The key of sample point i (score v) with its Laplace noise: the same bits wherever it is
+// computed (propose_kernel, propose_from_tile), so the rounding is spelled out (sign * v is
+// exact; one rounding for t * noise, one for the sum).
+template <typename KT>
+__device__ inline typename KT::Key sample_key(double v, double t, double sign, int64_t i) {
+  return KT::key(__fma_rn(sign, v, __dmul_rn(t, static_cast<double>(laplace_noise_f(static_cast<uint32_t>(i))))));
+}
+
+// bits of the digit that follows the first `done` bits of a key
+template <typename KT>
+__device__ constexpr int digit_bits(int done) {
+  return KT::kBits - done < kDigitBits ? KT::kBits - done : kDigitBits;
+}
+
+// Takes one digit: this thread's kBins / kThreads bins of both ends' counts straight from L2
+// (16-byte loads, all in flight together: the digit's one round trip), scanned, and each
+// end's bucket chosen. `shared`: both ends count in one histogram (the first digit), else
+// src holds [end][bin].
+template <int kThreads>
+__device__ inline void take_digit(const unsigned* src, bool shared, int bits,
+                                  typename cub::BlockScan<unsigned, kThreads>::TempStorage& scan, SampleSelect& sel) {
+  constexpr int kPer = kBins / kThreads;  // bins per thread
+  static_assert(kPer % 4 == 0, "16-byte loads");
+  uint4 raw[2][kPer / 4];
+#pragma unroll
+  for (int target = 0; target < 2; ++target)
+#pragma unroll
+    for (int v = 0; v < kPer / 4; ++v)
+      raw[target][v] = __ldcg(reinterpret_cast<const uint4*>(src + (shared ? 0 : target * kBins) + kPer * threadIdx.x) + v);
+#pragma unroll
+  for (int target = 0; target < 2; ++target) {
+    unsigned c[kPer], e[kPer];
+    memcpy(c, raw[target], sizeof(c));
+    cub::BlockScan<unsigned, kThreads>(scan).ExclusiveSum(c, e);
+    const int64_t rank = sel.rank[target];
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < kPer; ++q)
+      if (rank >= e[q] && rank < static_cast<int64_t>(e[q]) + c[q]) {
+        sel.rank[target] = rank - e[q];
+        sel.prefix[target] = (sel.prefix[target] << bits) | static_cast<uint64_t>(kPer * threadIdx.x + q);
+        sel.in_bucket[target] = c[q];
+      }
+    __syncthreads();
+  }
+}
+
+// After `level` + 1 digits: all of them, or two digits or more and each end's bucket holding
+// at most kStopKeys sample keys (the bucket's outer edge is as good an end as the key: it adds
+// at most kStopKeys sample spacings to the bracket, and a digit's round trips are saved).
+template <typename KT>
+__device__ inline bool select_done(int level, const SampleSelect& sel) {
+  return level + 1 == digits_for(KT::kBits) ||
+         (level >= 1 && sel.in_bucket[0] <= kStopKeys && sel.in_bucket[1] <= kStopKeys);
+}
+
+// Calls add(end, digit) for each end whose prefix (the first `done` bits) the key lies under,
+// with the key's next digit; ends whose rank fell outside the sample are skipped.
+template <typename KT, typename Add>
+__device__ inline void next_digit_of(typename KT::Key key, int done, int64_t count, const SampleSelect& sel, Add add) {
+  using Key = typename KT::Key;  // in the key's width: 64-bit shifts cost fp32 rows twice
+  const int next_bits = digit_bits<KT>(done);
+  const int digit = static_cast<int>((key >> (KT::kBits - done - next_bits)) & ((Key(1) << next_bits) - 1));
+  const Key top = key >> (KT::kBits - done);  // done >= kDigitBits here
+#pragma unroll
+  for (int end = 0; end < 2; ++end)
+    if (sel.rank[end] >= 0 && sel.rank[end] < count && top == static_cast<Key>(sel.prefix[end])) add(end, digit);
+}
+
+// The bracket's key range once the select stopped after `done` bits: keys, or buckets that
+// hold few sample keys (a bucket of the second digit is 2^-13 of the value wide, which can be
+// far wider than the bracket when |score| >> t).
+template <typename KT>
+__device__ inline void set_bracket(const SampleSelect& sel, int done, int64_t il, int64_t iu, int64_t count,
+                                   RowState& st) {
+  const int rest = KT::kBits - done;  // bits below the buckets' prefix (0: keys)
+  const uint64_t below = rest == 0 ? 0 : (uint64_t(1) << rest) - 1;
+  const uint64_t lo = il >= 0 && il < count ? sel.prefix[0] << rest : 0;
+  const uint64_t hi = iu >= 0 && iu < count ? (sel.prefix[1] << rest) | below : ~uint64_t(0);
+  const uint64_t kmin = KT::min_key(), kmax = KT::max_key();
+  st.lo_key = lo < kmin ? kmin : (lo > kmax ? kmax : lo);
+  st.hi_key = hi < kmin ? kmin : (hi > kmax ? kmax : hi);
+  if (st.hi_key < st.lo_key) st.hi_key = st.lo_key;
+}
+
+// The noised systematic sample of a row and two order statistics of it -> the bracket's key
+// range, in one launch: a few blocks per row each keep kSampleKeys keys per thread in
+// registers and count each digit in shared memory before adding it to the row's histogram.
+// The first digit's histogram and the barrier counter come zeroed; the later ones are zeroed
+// here before the first barrier.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kProposeThreads)
 propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, const double* __restrict__ t_in,
@@ -378,27 +491,12 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
   using Key = typename KT::Key;
   using Scan = cub::BlockScan<unsigned, kProposeThreads>;
   constexpr int kDigits = digits_for(KT::kBits);
-  constexpr int kPer = kBins / kProposeThreads;  // bins per thread in the scans
   __shared__ unsigned hist[2][kBins];
   __shared__ typename Scan::TempStorage scan;
-  __shared__ uint64_t s_prefix[2];
-  __shared__ int64_t s_rank[2];
-  __shared__ unsigned s_in_bucket[2];  // sample keys in each end's bucket so far
-  // bits of the digit that follows the first `done` bits of a key
-  const auto digit_bits = [](int done) { return KT::kBits - done < kDigitBits ? KT::kBits - done : kDigitBits; };
+  __shared__ SampleSelect sel;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const double k = k_in[r], t = t_in[r], nn = static_cast<double>(n);
-    RowState st{};
-    st.status = sort ? kRefineRow : kRefineMiddle;
-    st.certify = kCertifyRow;
-    st.lo_key = KT::min_key();
-    st.hi_key = KT::max_key();
-    st.k = k;
-    st.t = t;
-    st.above0 = Tail{0.0, 0.0, INFINITY};
-    st.below0 = Tail{0.0, 0.0, -INFINITY};
-    st.path = sort ? kPathRadix : kPathBracket;
-    st.attempts = sort ? 0 : 1;
+    RowState st = initial_state<KT>(k, t, sort);
     if (!sort) {
       const SampleGeometry g = sample_geometry(n, r);
       int64_t il, iu;
@@ -410,12 +508,7 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
            j += int64_t(gridDim.x) * blockDim.x)
         later[j] = 0;
       for (int j = threadIdx.x; j < kBins; j += blockDim.x) hist[0][j] = 0;
-      if (threadIdx.x == 0) {
-        s_rank[0] = il;
-        s_rank[1] = iu;
-        s_prefix[0] = s_prefix[1] = 0;
-        s_in_bucket[0] = s_in_bucket[1] = 0;  // an open end stays 0
-      }
+      if (threadIdx.x == 0) sel = SampleSelect{{il, iu}, {0, 0}, {0, 0}};  // an open end's bucket count stays 0
       __syncthreads();
       // This block's share of the sample: each gather is its own memory transaction, so all
       // of a thread's loads are issued before any is used.
@@ -431,7 +524,7 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
 #pragma unroll
         for (int q = 0; q < kSampleKeys; ++q) {
           const int64_t i = sample_index(q);
-          keys[q] = KT::key(sign * v[q] + t * static_cast<double>(laplace_noise_f(static_cast<uint32_t>(i))));
+          keys[q] = sample_key<KT>(v[q], t, sign, i);
           if (i < g.count) atomicAdd(&hist[0][static_cast<int>(static_cast<uint64_t>(keys[q]) >> (KT::kBits - kDigitBits))], 1u);
         }
       }
@@ -446,87 +539,98 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
       publish(first, 1);
       int done = 0;
       for (int level = 0; level < kDigits; ++level) {
-        const int bits = digit_bits(done);
-        // This thread's kPer bins of both ends, straight from L2 (16-byte loads, all in flight
-        // together: the digit's one round trip). Both ends share the first digit's counts.
-        const unsigned* src = level == 0 ? first : later + (level - 1) * 2 * kBins;
-        uint4 raw[2][kPer / 4];
-#pragma unroll
-        for (int target = 0; target < 2; ++target)
-#pragma unroll
-          for (int v = 0; v < kPer / 4; ++v)
-            raw[target][v] = __ldcg(reinterpret_cast<const uint4*>(src + (level == 0 ? 0 : target * kBins) +
-                                                                   kPer * threadIdx.x) + v);
-#pragma unroll
-        for (int target = 0; target < 2; ++target) {
-          unsigned c[kPer], e[kPer];
-          memcpy(c, raw[target], sizeof(c));
-          Scan(scan).ExclusiveSum(c, e);
-          const int64_t rank = s_rank[target];
-          __syncthreads();
-#pragma unroll
-          for (int q = 0; q < kPer; ++q)
-            if (rank >= e[q] && rank < static_cast<int64_t>(e[q]) + c[q]) {
-              s_rank[target] = rank - e[q];
-              s_prefix[target] = (s_prefix[target] << bits) | static_cast<uint64_t>(kPer * threadIdx.x + q);
-              s_in_bucket[target] = c[q];
-            }
-          __syncthreads();
-        }
+        const int bits = digit_bits<KT>(done);
+        take_digit<kProposeThreads>(level == 0 ? first : later + (level - 1) * 2 * kBins, level == 0, bits, scan, sel);
         done += bits;
-        // Two digits or more, and each end's bucket holds at most kStopKeys sample keys: the
-        // bucket's outer edge is as good an end as the key (it adds at most kStopKeys sample
-        // spacings to the bracket), and a digit's round trips are saved. The same decision in
-        // every block.
-        if (level + 1 == kDigits || (level >= 1 && s_in_bucket[0] <= kStopKeys && s_in_bucket[1] <= kStopKeys)) break;
+        if (select_done<KT>(level, sel)) break;  // the same decision in every block
         // The next digit of this block's keys under each end's prefix.
         for (int j = threadIdx.x; j < 2 * kBins; j += blockDim.x) hist[j / kBins][j % kBins] = 0;
         __syncthreads();
-        const int next_bits = digit_bits(done);
-        const int next_shift = KT::kBits - done - next_bits;
-        const Key p0 = static_cast<Key>(s_prefix[0]), p1 = static_cast<Key>(s_prefix[1]);
-        const bool want0 = s_rank[0] >= 0 && s_rank[0] < g.count, want1 = s_rank[1] >= 0 && s_rank[1] < g.count;
 #pragma unroll
-        for (int q = 0; q < kSampleKeys; ++q) {
-          if (sample_index(q) >= g.count) continue;
-          const Key key = keys[q];  // in the key's width: 64-bit shifts cost fp32 rows twice
-          const int digit = static_cast<int>((key >> next_shift) & ((Key(1) << next_bits) - 1));
-          const Key top = key >> (KT::kBits - done);  // done >= kDigitBits here
-          if (want0 && top == p0) atomicAdd(&hist[0][digit], 1u);
-          if (want1 && top == p1) atomicAdd(&hist[1][digit], 1u);
-        }
+        for (int q = 0; q < kSampleKeys; ++q)
+          if (sample_index(q) < g.count)
+            next_digit_of<KT>(keys[q], done, g.count, sel, [&](int end, int digit) { atomicAdd(&hist[end][digit], 1u); });
         publish(later + level * 2 * kBins, 2);
       }
-      // Keys, or buckets that hold few sample keys: a bucket of the second digit is 2^-13 of
-      // the value wide, which can be far wider than the bracket when |score| >> t.
-      const int rest = KT::kBits - done;  // bits below the buckets' prefix (0: keys)
-      const uint64_t below = rest == 0 ? 0 : (uint64_t(1) << rest) - 1;
-      const uint64_t lo = il >= 0 && il < g.count ? s_prefix[0] << rest : 0;
-      const uint64_t hi = iu >= 0 && iu < g.count ? (s_prefix[1] << rest) | below : ~uint64_t(0);
-      const uint64_t kmin = KT::min_key(), kmax = KT::max_key();
-      st.lo_key = lo < kmin ? kmin : (lo > kmax ? kmax : lo);
-      st.hi_key = hi < kmin ? kmin : (hi > kmax ? kmax : hi);
-      if (st.hi_key < st.lo_key) st.hi_key = st.lo_key;
+      set_bracket<KT>(sel, done, il, iu, g.count, st);
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) state[r] = st;
     __syncthreads();
   }
 }
 
+// The bracket of row r from the sample points in this block's parked tile, for a gathering
+// pass that proposes for itself (rows of one tile a block, see solve_long_rows_cuda): the
+// blocks of a row hold the whole sample between them (point i sits at offset + i * stride), so
+// with propose_kernel's noise and select the bracket is propose's, bit for bit. A block holds
+// a few hundred points, so each one's count goes straight to the row's histogram. Saves
+// propose's launch and its scattered sample loads. Every thread returns the row's state.
+template <typename scalar_t>
+__device__ RowState propose_from_tile(const scalar_t* tile, int64_t r, int64_t n, double sign, double k, double t,
+                                      unsigned* first_hist, unsigned* later_hist,
+                                      typename cub::BlockScan<unsigned, kLevelThreads>::TempStorage& scan,
+                                      SampleSelect& sel) {
+  using KT = KeyTraits<scalar_t>;
+  constexpr int kDigits = digits_for(KT::kBits);
+  const double nn = static_cast<double>(n);
+  RowState st = initial_state<KT>(k, t, false);
+  const SampleGeometry g = sample_geometry(n, r);
+  int64_t il, iu;
+  bracket_indices(g.count, nn, (k >= 0.0 && k <= nn) ? k : 0.5 * nn, 0, &il, &iu);
+  unsigned* first = first_hist + r * kFirstHistWords;  // kBins counts, then the barrier counter
+  unsigned* counter = first + kBins;
+  unsigned* later = later_hist + r * (kDigits - 1) * 2 * kBins;  // [digit - 1][end][bin]
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < (kDigits - 1) * 2 * kBins;
+       j += int64_t(gridDim.x) * blockDim.x)
+    later[j] = 0;
+  if (threadIdx.x == 0) sel = SampleSelect{{il, iu}, {0, 0}, {0, 0}};
+  // This tile's points: i in [i0, i1), positions [start, end) of the row.
+  const int64_t start = int64_t(blockIdx.x) * level_tile<scalar_t>();
+  const int64_t end = start + level_tile<scalar_t>() < n ? start + level_tile<scalar_t>() : n;
+  const auto first_point = [&](int64_t pos) { return pos <= g.offset ? 0 : (pos - g.offset + g.stride - 1) / g.stride; };
+  const int64_t i0 = first_point(start), i1 = first_point(end) < g.count ? first_point(end) : g.count;
+  const auto key_of = [&](int64_t i) {
+    return sample_key<KT>(static_cast<double>(tile[g.offset + i * g.stride - start]), t, sign, i);
+  };
+  for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x)
+    atomicAdd(&first[static_cast<int>(static_cast<uint64_t>(key_of(i)) >> (KT::kBits - kDigitBits))], 1u);
+  unsigned phase = 0;
+  row_barrier(counter, gridDim.x * ++phase);  // also publishes sel
+  int done = 0;
+  for (int level = 0; level < kDigits; ++level) {
+    const int bits = digit_bits<KT>(done);
+    take_digit<kLevelThreads>(level == 0 ? first : later + (level - 1) * 2 * kBins, level == 0, bits, scan, sel);
+    done += bits;
+    if (select_done<KT>(level, sel)) break;  // the same decision in every block
+    unsigned* dst = later + level * 2 * kBins;
+    for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x)
+      next_digit_of<KT>(key_of(i), done, g.count, sel, [&](int e, int digit) { atomicAdd(&dst[e * kBins + digit], 1u); });
+    row_barrier(counter, gridDim.x * ++phase);
+  }
+  set_bracket<KT>(sel, done, il, iu, g.count, st);
+  return st;
+}
+
 // ---- level --------------------------------------------------------------------------------
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kLevelThreads, 2)
-level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state, double* __restrict__ middle,
+level_kernel(const scalar_t* __restrict__ x, RowState* __restrict__ state, double* __restrict__ middle,
              unsigned* __restrict__ slice_count, int64_t cap, BinSums* __restrict__ hist,
-             LevelPartial* __restrict__ partial, int64_t rows, int64_t n, double sign, int level, bool preread) {
+             LevelPartial* __restrict__ partial, const double* __restrict__ k_in, const double* __restrict__ t_in,
+             unsigned* __restrict__ first_hist, unsigned* __restrict__ later_hist, int64_t rows, int64_t n,
+             double sign, int level, bool preread, bool propose) {
   using KT = KeyTraits<scalar_t>;
   using Key = typename KT::Key;
   using F = compute_t<scalar_t>;
   constexpr int V = vec_width<scalar_t>();
   constexpr int U = kLevelUnroll;
   using Reduce = cub::BlockReduce<LevelPartial, kLevelThreads>;
-  __shared__ typename Reduce::TempStorage red;
+  __shared__ union {
+    typename Reduce::TempStorage red;
+    typename cub::BlockScan<unsigned, kLevelThreads>::TempStorage scan;  // propose_from_tile, before any reduce
+  } tmp;
+  __shared__ SampleSelect sel;
   __shared__ uint32_t tile_tot[2][kLevelThreads / 32];  // tiles alternate (see run_tiles)
   // The bins, or (level 0, before the wait) this block's first tile: a gathering row has no bins.
   __shared__ union {
@@ -565,8 +669,16 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
   const bool settled = preread && level > 0 && rows_settled_early(state, blockIdx.y, gridDim.y, rows, past_refine);
   begin_dependent_grid();
   if (settled) return;
+  // propose: level 0 of rows of one tile a block, one row a block row (see solve_long_rows_cuda)
+  RowState proposed;
+  if (propose) {
+    const int64_t r = blockIdx.y;
+    proposed = propose_from_tile<scalar_t>(reinterpret_cast<const scalar_t*>(sb.tile), r, n, sign, k_in[r], t_in[r],
+                                           first_hist, later_hist, tmp.scan, sel);
+    if (blockIdx.x == 0 && threadIdx.x == 0) state[r] = proposed;
+  }
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const RowState st = state[r];
+    const RowState st = propose ? proposed : state[r];
     if (st.status != kRefineMiddle && st.status != kRefineRow) continue;  // uniform across the block
     const bool gather = st.status == kRefineMiddle && level == 0;  // no bins
     // binning the gathered set for certification: it adds to the gathering pass's sums
@@ -802,7 +914,7 @@ level_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
           if (!consider(slice[j], std::false_type{}) && bin_first) slice[j] = -INFINITY;  // skipped by every later pass
       }
     }
-    const LevelPartial total = Reduce(red).Reduce(acc, LevelPartialSum{});
+    const LevelPartial total = Reduce(tmp.red).Reduce(acc, LevelPartialSum{});
     if (threadIdx.x == 0)  // binning the gathered set adds to its row pass's sums
       partial[slice_id] = bin_first ? LevelPartialSum{}(partial[slice_id], total) : total;
     __syncthreads();
@@ -1455,8 +1567,8 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     const auto bytes = [&](int64_t count) { return at::empty({count}, x.options().dtype(at::kByte)); };
     constexpr int kDigits = digits_for(KeyTraits<scalar_t>::kBits);
     // One zeroed buffer (one fill): the bins, then propose's first-digit counts and barrier counters.
-    // The fill is an ordinary launch before propose: level 0 relies on it (it reads x before
-    // waiting for propose, see level_kernel).
+    // The fill is an ordinary launch before propose (or the gathering pass that proposes for
+    // itself): level 0 relies on it (it reads x before its wait, see level_kernel).
     const int64_t hist_bytes = rows * kBins * int64_t(sizeof(BinSums));
     at::Tensor zeroed = at::zeros({hist_bytes + (sort ? 0 : rows * kFirstHistWords * 4)}, x.options().dtype(at::kByte));
     at::Tensor later_hist = bytes(sort ? 1 : rows * (kDigits - 1) * 2 * kBins * 4);
@@ -1476,7 +1588,13 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const unsigned row_blocks = static_cast<unsigned>(rows < 65535 ? rows : 65535);
     const dim3 grid(static_cast<unsigned>(chunks), row_blocks);
-    {
+    // Rows of one tile a gathering block (up to ~1M fp32 scores), one row a block row: the
+    // gathering pass proposes for itself (propose_from_tile), one launch and the sample's
+    // scattered loads fewer. Its blocks are all resident (one wave), as its row barriers need.
+    const bool self_propose = !sort && tiles_per_block == 1 && chunks == tiles && rows <= 65535;
+    auto* first_hist = reinterpret_cast<unsigned*>(zp + hist_bytes);
+    auto* later = reinterpret_cast<unsigned*>(later_hist.mutable_data_ptr());
+    if (!self_propose) {
       // Propose: enough blocks per row to hold the largest sample (offset 0) in registers;
       // rows beyond one wave of blocks loop, so that a row's blocks are all resident.
       const int64_t per_block = int64_t(kProposeThreads) * kSampleKeys;
@@ -1485,8 +1603,7 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
       const int64_t ys = std::max<int64_t>(1, std::min<int64_t>(row_blocks, wave / blocks));
       launch_dependent(propose_kernel<scalar_t>, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(ys)),
                        kProposeThreads, 0, stream, xp, k.const_data_ptr<double>(), t.const_data_ptr<double>(), st,
-                       reinterpret_cast<unsigned*>(zp + hist_bytes),
-                       reinterpret_cast<unsigned*>(later_hist.mutable_data_ptr()), rows, n, sign, sort);
+                       first_hist, later, rows, n, sign, sort);
     }
     // The first level certifies (a bracketed row: two levels, gather then bin); a row sent to
     // the fallback then needs a level per digit.
@@ -1498,8 +1615,9 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     const bool use_sorted = !sort && sorted_middle != nullptr && n <= kSortedMiddleMaxN;
     const bool preread = !use_sorted;  // see rows_settled_early
     for (int level = 0; level < levels; ++level) {
-      launch_dependent(level_kernel<scalar_t>, grid, kLevelThreads, 0, stream, xp, st, mp, cp, cap, hs, lp, rows, n,
-                       sign, level, preread);
+      launch_dependent(level_kernel<scalar_t>, grid, kLevelThreads, 0, stream, xp, st, mp, cp, cap, hs, lp,
+                       k.const_data_ptr<double>(), t.const_data_ptr<double>(), first_hist, later, rows, n, sign, level,
+                       preread && !(self_propose && level == 1), self_propose && level == 0);
       if (level == 0 && !sort) {  // gathered only: level 1 bins the set, unless it is solved on chip here
         if constexpr (sorted_middle != nullptr) {
           if (use_sorted)

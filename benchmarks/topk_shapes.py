@@ -1,0 +1,59 @@
+"""Graph time of fastlapsum.topk on the shapes around issue 4's one miss (N = 128K, M = 2048,
+K = 2048, ragged causal rows: 1.35x the one-scan floor), and a few others that share its
+per-row kernel; each output is checked against torch.topk. For same-run A/B
+(benchmarks/ab_sizes.sh with SCRIPT=benchmarks/topk_shapes.py); each round a fresh process.
+
+    python benchmarks/topk_shapes.py        (ROUNDS=3 by default)
+"""
+import json
+import os
+import subprocess
+import sys
+
+KB = 1024
+# (M, N, K, pass lengths, dtype)
+CASES = [(2048, 128 * KB, 2048, True, "f32"), (2048, 128 * KB, 2048, False, "f32"),
+         (4096, 128 * KB, 2048, True, "f32"), (8192, 128 * KB, 2048, True, "f32"),
+         (512, 128 * KB, 2048, True, "f32"), (2048, 256 * KB, 2048, True, "f32"),
+         (1024, 512 * KB, 2048, True, "f32"), (2048, 256 * KB, 512, True, "f32"),
+         (2048, 256 * KB, 8192, True, "f32"), (2048, 128 * KB, 2048, True, "f16"),
+         (64, 4096, 512, True, "f32")]
+
+
+def measure():
+    import torch
+
+    import fastlapsum
+    from fastlapsum.timing import copy_bandwidth_gbps, graph_median_ms
+    sys.path.insert(0, os.path.dirname(__file__))
+    from bench_hard_topk import causal_fill
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bw = copy_bandwidth_gbps(torch.device("cuda"))
+    out = []
+    for M, N, K, pass_len, dt in CASES:
+        x = torch.empty(M, N, device="cuda")
+        lengths = causal_fill(x, gen)
+        x = x.half() if dt == "f16" else x
+        ln = lengths if pass_len else None
+        ms = graph_median_ms(lambda: fastlapsum.topk(x, K, lengths=ln))
+        v = fastlapsum.topk(x, K, sorted=True, lengths=ln)[0]
+        exact = bool(torch.equal(v, torch.topk(x, K, sorted=True).values))
+        floor_ms = int(lengths.sum()) * x.element_size() / (bw * 1e9) * 1e3
+        label = f"{M}x{N // KB}K" + ("" if K == 2048 else f"/K{K}") + ("+len" if pass_len else "") + \
+            ("" if dt == "f32" else f"/{dt}")
+        out.append((label, None, round(ms * 1e3, 1), round(ms / floor_ms, 3), "exact" if exact else "NOT EXACT"))
+        del x
+    print(json.dumps(out))
+
+
+def main():
+    print("cases: (shape, -, us graph, x one-scan floor, exactness)")
+    for rnd in range(int(os.environ.get("ROUNDS", "3"))):
+        r = subprocess.run([sys.executable, __file__, "measure"], capture_output=True, text=True)
+        err = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        print(f"r{rnd}: " + (r.stdout.strip().splitlines()[-1] if r.returncode == 0 else "error: " + err), flush=True)
+
+
+if __name__ == "__main__":
+    measure() if sys.argv[1:2] == ["measure"] else main()
