@@ -562,12 +562,13 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
 // The bracket of row r from the sample points in this block's parked tile, for a gathering
 // pass that proposes for itself (rows of one tile a block, see solve_long_rows_cuda): the
 // blocks of a row hold the whole sample between them (point i sits at offset + i * stride), so
-// with propose_kernel's noise and select the bracket is propose's, bit for bit. A block holds
-// a few hundred points, so each one's count goes straight to the row's histogram. Saves
-// propose's launch and its scattered sample loads. Every thread returns the row's state.
+// with propose_kernel's noise and select the bracket is propose's, bit for bit. The first
+// digit's counts go through block_hist (shared memory that does not overlap the tile); the
+// later digits' few keys straight to the row's histogram. Saves propose's launch and its
+// scattered sample loads. Every thread returns the row's state.
 template <typename scalar_t>
-__device__ RowState propose_from_tile(const scalar_t* tile, int64_t r, int64_t n, double sign, double k, double t,
-                                      unsigned* first_hist, unsigned* later_hist,
+__device__ RowState propose_from_tile(const scalar_t* tile, unsigned* block_hist, int64_t r, int64_t n, double sign,
+                                      double k, double t, unsigned* first_hist, unsigned* later_hist,
                                       typename cub::BlockScan<unsigned, kLevelThreads>::TempStorage& scan,
                                       SampleSelect& sel) {
   using KT = KeyTraits<scalar_t>;
@@ -592,8 +593,15 @@ __device__ RowState propose_from_tile(const scalar_t* tile, int64_t r, int64_t n
   const auto key_of = [&](int64_t i) {
     return sample_key<KT>(static_cast<double>(tile[g.offset + i * g.stride - start]), t, sign, i);
   };
+  // The first digit's counts through this block's histogram: the row's keys crowd a few dozen
+  // of its bins, so one global add per point would queue the whole row's sample on them.
+  for (int j = threadIdx.x; j < kBins; j += blockDim.x) block_hist[j] = 0;
+  __syncthreads();
   for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x)
-    atomicAdd(&first[static_cast<int>(static_cast<uint64_t>(key_of(i)) >> (KT::kBits - kDigitBits))], 1u);
+    atomicAdd(&block_hist[static_cast<int>(static_cast<uint64_t>(key_of(i)) >> (KT::kBits - kDigitBits))], 1u);
+  __syncthreads();
+  for (int j = threadIdx.x; j < kBins; j += blockDim.x)
+    if (block_hist[j] != 0) atomicAdd(&first[j], block_hist[j]);
   unsigned phase = 0;
   row_barrier(counter, gridDim.x * ++phase);  // also publishes sel
   int done = 0;
@@ -640,7 +648,8 @@ level_kernel(const scalar_t* __restrict__ x, RowState* __restrict__ state, doubl
     } bins;
     uint4 tile[kLevelUnroll * kLevelThreads];
   } sb;
-  unsigned* const s_count = sb.bins.count;
+  unsigned* const s_count = sb.bins.count;  // also propose_from_tile's histogram, beside the parked tile
+  static_assert(sizeof(double) * 2 * kBins >= sizeof(sb.tile), "the counts lie past the parked tile");
   double* const s_U = sb.bins.U;
   double* const s_L = sb.bins.L;
   // Level 0 reads every row from x, which no kernel of the solver writes and which was complete
@@ -673,8 +682,8 @@ level_kernel(const scalar_t* __restrict__ x, RowState* __restrict__ state, doubl
   RowState proposed;
   if (propose) {
     const int64_t r = blockIdx.y;
-    proposed = propose_from_tile<scalar_t>(reinterpret_cast<const scalar_t*>(sb.tile), r, n, sign, k_in[r], t_in[r],
-                                           first_hist, later_hist, tmp.scan, sel);
+    proposed = propose_from_tile<scalar_t>(reinterpret_cast<const scalar_t*>(sb.tile), s_count, r, n, sign, k_in[r],
+                                           t_in[r], first_hist, later_hist, tmp.scan, sel);
     if (blockIdx.x == 0 && threadIdx.x == 0) state[r] = proposed;
   }
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
