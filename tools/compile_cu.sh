@@ -2,7 +2,9 @@
 # Compile-check CUDA sources one by one for sm_90 without building the extension
 # (no GPU needed): tools/compile_cu.sh csrc/forward/threshold_cuda.cu [more.cu ...]
 # Uses the torch of .venv (or $PY); objects go to /tmp and are thrown away. NVCC_EXTRA adds
-# flags (e.g. NVCC_EXTRA="-Xptxas -v" for registers and spills).
+# flags (e.g. NVCC_EXTRA="-Xptxas -v" for registers and spills). The object's SASS (e.g. to count
+# local loads inside a loop) needs cuobjdump, which this machine's CUDA lacks; PyPI has it:
+#   pip download --no-deps nvidia-cuda-cuobjdump && unzip the wheel; nvidia/cu13/bin/cuobjdump -sass /tmp/X.cu.o
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
