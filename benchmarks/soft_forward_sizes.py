@@ -5,8 +5,6 @@ solver's path; each round in a fresh process (run-to-run spread is a few microse
     python benchmarks/soft_forward_sizes.py        (ROUNDS=3 by default)
 """
 import json
-import os
-import subprocess
 import sys
 
 # (rows, n, k / n): short rows (one CTA each), the bracket's sorted middle set (k = n/16 up to
@@ -54,14 +52,9 @@ def measure():
     print(json.dumps(out))
 
 
-def main():
-    print("cases: (n, k/n, us graph, middle set, budget error, solver path)")
-    for rnd in range(int(os.environ.get("ROUNDS", "3"))):
-        r = subprocess.run([sys.executable, __file__, "measure"], capture_output=True, text=True)
-        # one line either way (callers keep the last line): the result, or the error's last line
-        err = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-        print(f"r{rnd}: " + (r.stdout.strip().splitlines()[-1] if r.returncode == 0 else "error: " + err), flush=True)
-
-
 if __name__ == "__main__":
-    measure() if sys.argv[1:2] == ["measure"] else main()
+    if sys.argv[1:2] == ["measure"]:
+        measure()
+    else:
+        from fresh_rounds import run_rounds
+        run_rounds(__file__, "cases: (n, k/n, us graph, middle set, budget error, solver path)")

@@ -6,8 +6,6 @@ per-row kernel; each output is checked against torch.topk. For same-run A/B
     python benchmarks/topk_shapes.py        (ROUNDS=3 by default)
 """
 import json
-import os
-import subprocess
 import sys
 
 KB = 1024
@@ -25,7 +23,6 @@ def measure():
 
     import fastlapsum
     from fastlapsum.timing import copy_bandwidth_gbps, graph_median_ms
-    sys.path.insert(0, os.path.dirname(__file__))
     from bench_hard_topk import causal_fill
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -47,13 +44,9 @@ def measure():
     print(json.dumps(out))
 
 
-def main():
-    print("cases: (shape, -, us graph, x one-scan floor, exactness)")
-    for rnd in range(int(os.environ.get("ROUNDS", "3"))):
-        r = subprocess.run([sys.executable, __file__, "measure"], capture_output=True, text=True)
-        err = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-        print(f"r{rnd}: " + (r.stdout.strip().splitlines()[-1] if r.returncode == 0 else "error: " + err), flush=True)
-
-
 if __name__ == "__main__":
-    measure() if sys.argv[1:2] == ["measure"] else main()
+    if sys.argv[1:2] == ["measure"]:
+        measure()
+    else:
+        from fresh_rounds import run_rounds
+        run_rounds(__file__, "cases: (shape, -, us graph, x one-scan floor, exactness)")

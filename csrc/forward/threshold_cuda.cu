@@ -476,6 +476,33 @@ __device__ inline void set_bracket(const SampleSelect& sel, int done, int64_t il
   if (st.hi_key < st.lo_key) st.hi_key = st.lo_key;
 }
 
+// Where a row's sample select starts, for propose_kernel and propose_from_tile: the sample,
+// the bracket's two ranks in it, the row's histograms (the first digit's and the barrier
+// counter come zeroed with the workspace; the later digits' are zeroed here by the row's
+// gridDim.x blocks, before their first barrier) and, from thread 0, sel at the two ranks.
+struct RowSelectStart {
+  SampleGeometry g;
+  int64_t il, iu;
+  unsigned *first, *counter, *later;
+};
+template <typename KT>
+__device__ inline RowSelectStart start_row_select(int64_t r, int64_t n, double k, unsigned* first_hist,
+                                                  unsigned* later_hist, SampleSelect& sel) {
+  constexpr int kDigits = digits_for(KT::kBits);
+  const double nn = static_cast<double>(n);
+  RowSelectStart s;
+  s.g = sample_geometry(n, r);
+  bracket_indices(s.g.count, nn, (k >= 0.0 && k <= nn) ? k : 0.5 * nn, 0, &s.il, &s.iu);
+  s.first = first_hist + r * kFirstHistWords;  // kBins counts, then the barrier counter
+  s.counter = s.first + kBins;
+  s.later = later_hist + r * (kDigits - 1) * 2 * kBins;  // [digit - 1][end][bin]
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < (kDigits - 1) * 2 * kBins;
+       j += int64_t(gridDim.x) * blockDim.x)
+    s.later[j] = 0;
+  if (threadIdx.x == 0) sel = SampleSelect{{s.il, s.iu}, {0, 0}, {0, 0}};  // an open end's bucket count stays 0
+  return s;
+}
+
 // The noised systematic sample of a row and two order statistics of it -> the bracket's key
 // range, in one launch: a few blocks per row each keep kSampleKeys keys per thread in
 // registers and count each digit in shared memory before adding it to the row's histogram.
@@ -495,20 +522,14 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
   __shared__ typename Scan::TempStorage scan;
   __shared__ SampleSelect sel;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const double k = k_in[r], t = t_in[r], nn = static_cast<double>(n);
+    const double k = k_in[r], t = t_in[r];
     RowState st = initial_state<KT>(k, t, sort);
     if (!sort) {
-      const SampleGeometry g = sample_geometry(n, r);
-      int64_t il, iu;
-      bracket_indices(g.count, nn, (k >= 0.0 && k <= nn) ? k : 0.5 * nn, 0, &il, &iu);
-      unsigned* first = first_hist + r * kFirstHistWords;  // kBins counts, then the barrier counter
-      unsigned* counter = first + kBins;
-      unsigned* later = later_hist + r * (kDigits - 1) * 2 * kBins;  // [digit - 1][end][bin]
-      for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < (kDigits - 1) * 2 * kBins;
-           j += int64_t(gridDim.x) * blockDim.x)
-        later[j] = 0;
+      const RowSelectStart rs = start_row_select<KT>(r, n, k, first_hist, later_hist, sel);
+      const SampleGeometry g = rs.g;
+      const int64_t il = rs.il, iu = rs.iu;
+      unsigned *const first = rs.first, *const counter = rs.counter, *const later = rs.later;
       for (int j = threadIdx.x; j < kBins; j += blockDim.x) hist[0][j] = 0;
-      if (threadIdx.x == 0) sel = SampleSelect{{il, iu}, {0, 0}, {0, 0}};  // an open end's bucket count stays 0
       __syncthreads();
       // This block's share of the sample: each gather is its own memory transaction, so all
       // of a thread's loads are issued before any is used.
@@ -573,18 +594,11 @@ __device__ RowState propose_from_tile(const scalar_t* tile, unsigned* block_hist
                                       SampleSelect& sel) {
   using KT = KeyTraits<scalar_t>;
   constexpr int kDigits = digits_for(KT::kBits);
-  const double nn = static_cast<double>(n);
   RowState st = initial_state<KT>(k, t, false);
-  const SampleGeometry g = sample_geometry(n, r);
-  int64_t il, iu;
-  bracket_indices(g.count, nn, (k >= 0.0 && k <= nn) ? k : 0.5 * nn, 0, &il, &iu);
-  unsigned* first = first_hist + r * kFirstHistWords;  // kBins counts, then the barrier counter
-  unsigned* counter = first + kBins;
-  unsigned* later = later_hist + r * (kDigits - 1) * 2 * kBins;  // [digit - 1][end][bin]
-  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < (kDigits - 1) * 2 * kBins;
-       j += int64_t(gridDim.x) * blockDim.x)
-    later[j] = 0;
-  if (threadIdx.x == 0) sel = SampleSelect{{il, iu}, {0, 0}, {0, 0}};
+  const RowSelectStart rs = start_row_select<KT>(r, n, k, first_hist, later_hist, sel);
+  const SampleGeometry g = rs.g;
+  const int64_t il = rs.il, iu = rs.iu;
+  unsigned *const first = rs.first, *const counter = rs.counter, *const later = rs.later;
   // This tile's points: i in [i0, i1), positions [start, end) of the row.
   const int64_t start = int64_t(blockIdx.x) * level_tile<scalar_t>();
   const int64_t end = start + level_tile<scalar_t>() < n ? start + level_tile<scalar_t>() : n;
