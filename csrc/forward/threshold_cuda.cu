@@ -503,6 +503,33 @@ __device__ inline RowSelectStart start_row_select(int64_t r, int64_t n, double k
   return s;
 }
 
+// Adds this block's `words` counts (shared memory) to the row's histogram, then waits at the
+// row barrier (its `phase`-th) until every block of the row has.
+__device__ inline void publish_counts(const unsigned* block, unsigned* row, int words, const RowSelectStart& rs,
+                                      unsigned& phase) {
+  __syncthreads();
+  for (int j = threadIdx.x; j < words; j += blockDim.x)
+    if (block[j] != 0) atomicAdd(&row[j], block[j]);
+  row_barrier(rs.counter, gridDim.x * ++phase);
+}
+
+// The select's digits once the first digit's counts are in: every block takes each digit
+// alike; unless the select is then done, count_next(dst, done) adds this block's counts of the
+// next digit ([end][bin] at dst) and waits at the row barrier. Returns the bits taken.
+template <typename KT, int kThreads, typename CountNext>
+__device__ inline int select_digits(const RowSelectStart& rs, typename cub::BlockScan<unsigned, kThreads>::TempStorage& scan,
+                                    SampleSelect& sel, CountNext&& count_next) {
+  int done = 0;
+  for (int level = 0; level < digits_for(KT::kBits); ++level) {
+    const int bits = digit_bits<KT>(done);
+    take_digit<kThreads>(level == 0 ? rs.first : rs.later + (level - 1) * 2 * kBins, level == 0, bits, scan, sel);
+    done += bits;
+    if (select_done<KT>(level, sel)) break;  // the same decision in every block
+    count_next(rs.later + level * 2 * kBins, done);
+  }
+  return done;
+}
+
 // The noised systematic sample of a row and two order statistics of it -> the bracket's key
 // range, in one launch: a few blocks per row each keep kSampleKeys keys per thread in
 // registers and count each digit in shared memory before adding it to the row's histogram.
@@ -517,7 +544,6 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
   using KT = KeyTraits<scalar_t>;
   using Key = typename KT::Key;
   using Scan = cub::BlockScan<unsigned, kProposeThreads>;
-  constexpr int kDigits = digits_for(KT::kBits);
   __shared__ unsigned hist[2][kBins];
   __shared__ typename Scan::TempStorage scan;
   __shared__ SampleSelect sel;
@@ -526,9 +552,7 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
     RowState st = initial_state<KT>(k, t, sort);
     if (!sort) {
       const RowSelectStart rs = start_row_select<KT>(r, n, k, first_hist, later_hist, sel);
-      const SampleGeometry g = rs.g;
-      const int64_t il = rs.il, iu = rs.iu;
-      unsigned *const first = rs.first, *const counter = rs.counter, *const later = rs.later;
+      const SampleGeometry& g = rs.g;
       for (int j = threadIdx.x; j < kBins; j += blockDim.x) hist[0][j] = 0;
       __syncthreads();
       // This block's share of the sample: each gather is its own memory transaction, so all
@@ -549,21 +573,9 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
           if (i < g.count) atomicAdd(&hist[0][static_cast<int>(static_cast<uint64_t>(keys[q]) >> (KT::kBits - kDigitBits))], 1u);
         }
       }
-      // Adds this block's counts of one digit to the row's histogram, then waits for the others.
       unsigned phase = 0;
-      const auto publish = [&](unsigned* dst, int ends) {
-        __syncthreads();
-        for (int j = threadIdx.x; j < ends * kBins; j += blockDim.x)
-          if (hist[j / kBins][j % kBins] != 0) atomicAdd(&dst[j], hist[j / kBins][j % kBins]);
-        row_barrier(counter, gridDim.x * ++phase);
-      };
-      publish(first, 1);
-      int done = 0;
-      for (int level = 0; level < kDigits; ++level) {
-        const int bits = digit_bits<KT>(done);
-        take_digit<kProposeThreads>(level == 0 ? first : later + (level - 1) * 2 * kBins, level == 0, bits, scan, sel);
-        done += bits;
-        if (select_done<KT>(level, sel)) break;  // the same decision in every block
+      publish_counts(&hist[0][0], rs.first, kBins, rs, phase);
+      const int done = select_digits<KT, kProposeThreads>(rs, scan, sel, [&](unsigned* dst, int done) {
         // The next digit of this block's keys under each end's prefix.
         for (int j = threadIdx.x; j < 2 * kBins; j += blockDim.x) hist[j / kBins][j % kBins] = 0;
         __syncthreads();
@@ -571,9 +583,9 @@ propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, 
         for (int q = 0; q < kSampleKeys; ++q)
           if (sample_index(q) < g.count)
             next_digit_of<KT>(keys[q], done, g.count, sel, [&](int end, int digit) { atomicAdd(&hist[end][digit], 1u); });
-        publish(later + level * 2 * kBins, 2);
-      }
-      set_bracket<KT>(sel, done, il, iu, g.count, st);
+        publish_counts(&hist[0][0], dst, 2 * kBins, rs, phase);
+      });
+      set_bracket<KT>(sel, done, rs.il, rs.iu, g.count, st);
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) state[r] = st;
     __syncthreads();
@@ -593,12 +605,9 @@ __device__ RowState propose_from_tile(const scalar_t* tile, unsigned* block_hist
                                       typename cub::BlockScan<unsigned, kLevelThreads>::TempStorage& scan,
                                       SampleSelect& sel) {
   using KT = KeyTraits<scalar_t>;
-  constexpr int kDigits = digits_for(KT::kBits);
   RowState st = initial_state<KT>(k, t, false);
   const RowSelectStart rs = start_row_select<KT>(r, n, k, first_hist, later_hist, sel);
-  const SampleGeometry g = rs.g;
-  const int64_t il = rs.il, iu = rs.iu;
-  unsigned *const first = rs.first, *const counter = rs.counter, *const later = rs.later;
+  const SampleGeometry& g = rs.g;
   // This tile's points: i in [i0, i1), positions [start, end) of the row.
   const int64_t start = int64_t(blockIdx.x) * level_tile<scalar_t>();
   const int64_t end = start + level_tile<scalar_t>() < n ? start + level_tile<scalar_t>() : n;
@@ -613,23 +622,15 @@ __device__ RowState propose_from_tile(const scalar_t* tile, unsigned* block_hist
   __syncthreads();
   for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x)
     atomicAdd(&block_hist[static_cast<int>(static_cast<uint64_t>(key_of(i)) >> (KT::kBits - kDigitBits))], 1u);
-  __syncthreads();
-  for (int j = threadIdx.x; j < kBins; j += blockDim.x)
-    if (block_hist[j] != 0) atomicAdd(&first[j], block_hist[j]);
   unsigned phase = 0;
-  row_barrier(counter, gridDim.x * ++phase);  // also publishes sel
-  int done = 0;
-  for (int level = 0; level < kDigits; ++level) {
-    const int bits = digit_bits<KT>(done);
-    take_digit<kLevelThreads>(level == 0 ? first : later + (level - 1) * 2 * kBins, level == 0, bits, scan, sel);
-    done += bits;
-    if (select_done<KT>(level, sel)) break;  // the same decision in every block
-    unsigned* dst = later + level * 2 * kBins;
+  publish_counts(block_hist, rs.first, kBins, rs, phase);  // its barrier also publishes sel
+  // the later digits' keys are few (those under an end's bucket): straight to the row's counts
+  const int done = select_digits<KT, kLevelThreads>(rs, scan, sel, [&](unsigned* dst, int done) {
     for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x)
       next_digit_of<KT>(key_of(i), done, g.count, sel, [&](int e, int digit) { atomicAdd(&dst[e * kBins + digit], 1u); });
-    row_barrier(counter, gridDim.x * ++phase);
-  }
-  set_bracket<KT>(sel, done, il, iu, g.count, st);
+    row_barrier(rs.counter, gridDim.x * ++phase);
+  });
+  set_bracket<KT>(sel, done, rs.il, rs.iu, g.count, st);
   return st;
 }
 
@@ -1642,12 +1643,9 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
                        k.const_data_ptr<double>(), t.const_data_ptr<double>(), first_hist, later, rows, n, sign, level,
                        preread && !(self_propose && level == 1), self_propose && level == 0);
       if (level == 0 && !sort) {  // gathered only: level 1 bins the set, unless it is solved on chip here
-        if constexpr (sorted_middle != nullptr) {
-          if (use_sorted)
-            launch_dependent(sorted_middle, row_blocks, kSortedThreads, 0, stream, st, lp,
-                             static_cast<int>(chunks), mp, cp, cap, k.const_data_ptr<double>(), bp, ep, dp, rows, n,
-                             sign);
-        }
+        if (use_sorted)  // (never for fp64, whose sorted_middle is null)
+          launch_dependent(sorted_middle, row_blocks, kSortedThreads, 0, stream, st, lp, static_cast<int>(chunks), mp,
+                           cp, cap, k.const_data_ptr<double>(), bp, ep, dp, rows, n, sign);
         continue;
       }
       launch_dependent(scan_kernel<scalar_t>, row_blocks, kScanThreads, 0, stream, st, hs, lp,
