@@ -344,9 +344,12 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
                                         uint32_t (&tot)[2][kBlock / 32], Pred&& pred, Sink&& sink) {
   constexpr int V = 16 / sizeof(T), U = row_unroll<T>();
   static_assert(U * V <= 32, "one bit per score of a thread's tile");
-  const int64_t nv = (L + V - 1) / V, step = int64_t(kBlock) * U;
-  const auto load_tile = [&](int4(&raw)[U], int64_t v0) {
-    if (aligned && (v0 + step) * V <= L) {  // a whole aligned tile (uniform): no per-vector checks
+  // Vector indices in 32 bits (a row has < 2^32 scores, so < 2^30 vectors): the loop runs at
+  // the kernel's register cap, and 64-bit counters take a register pair each.
+  const uint32_t nv = static_cast<uint32_t>((L + V - 1) / V), whole = static_cast<uint32_t>(L / V);
+  constexpr uint32_t step = uint32_t(kBlock) * U;
+  const auto load_tile = [&](int4(&raw)[U], uint32_t v0) {
+    if (aligned && v0 + step <= whole) {  // a whole aligned tile (uniform): no per-vector checks
       const int4* p = reinterpret_cast<const int4*>(xr) + v0 + threadIdx.x;
 #pragma unroll
       for (int u = 0; u < U; ++u) raw[u] = __ldg(p + u * kBlock);
@@ -354,7 +357,7 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t v = v0 + u * kBlock + threadIdx.x;
+      const uint32_t v = v0 + u * kBlock + threadIdx.x;
       if (v < nv) raw[u] = load_raw_vec<T>(xr, v, L, aligned);
     }
   };
@@ -363,11 +366,11 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
   int par = 0;  // the warp-total array of this tile
   int4 cur[U], next[U];
   load_tile(cur, 0);
-  for (int64_t v0 = 0; v0 < nv; v0 += step) {
+  for (uint32_t v0 = 0; v0 < nv; v0 += step) {
     if (v0 + step < nv) load_tile(next, v0 + step);
-    const uint32_t i0 = static_cast<uint32_t>((v0 + threadIdx.x) * V);  // score (u, e) is i0 + u*kBlock*V + e
+    const uint32_t i0 = (v0 + threadIdx.x) * V;  // score (u, e) is i0 + u*kBlock*V + e
     uint32_t bits = 0;
-    if ((v0 + step) * V <= L) {  // whole tile (uniform in the block)
+    if (v0 + step <= whole) {  // whole tile (uniform in the block)
 #pragma unroll
       for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -378,7 +381,7 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
       for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int e = 0; e < V; ++e) {
-          const int64_t i = (v0 + u * kBlock + threadIdx.x) * V + e;
+          const int64_t i = int64_t(v0 + u * kBlock + threadIdx.x) * V + e;
           if (i < L && pred(score(cur, u, e), static_cast<uint32_t>(i))) bits |= 1u << (u * V + e);
         }
     }
