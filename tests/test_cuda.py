@@ -418,7 +418,8 @@ def test_cuda_graph_sorted_set_and_chain(dtype):
     CTA) and replays where none does (Gaussian rows at k = n/16, ~2K) give the eager answers.
     fp64 rows have no sorted middle kernel: every row takes the chain, whose kernels read the
     rows' status before they wait (rows_settled_early), so one launch has rows certified at
-    its first scan next to rows still in the fallback."""
+    its first scan next to rows still in the fallback. The masks, eager and replayed, equal the
+    CPU path's."""
     rows, n = 3, 1 << 19
     x = torch.zeros(rows, n, device="cuda", dtype=dtype)
     k = torch.zeros(rows, dtype=F64, device="cuda")
@@ -457,6 +458,11 @@ def test_cuda_graph_sorted_set_and_chain(dtype):
         for name, a, b in zip(("p", "b"), static_out, want):  # the same kernels: a stale row is far off
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
         assert budget_error(static_out[0], k) <= BUDGET_TOL[dtype]
+        # the fused forward writes the mask of the rows the sorted kernel solves on a side stream,
+        # the others' after the chain: every row written, each from its own final b
+        p_cpu = fastlapsum.soft_topk(x.cpu(), k.cpu(), t.cpu(), method="bracket")
+        torch.testing.assert_close(static_out[0].cpu().double(), p_cpu.double(), rtol=0, atol=P_TOL[dtype])
+        torch.testing.assert_close(want[0].cpu().double(), p_cpu.double(), rtol=0, atol=P_TOL[dtype])
 
 
 def test_cuda_graph_topk_lengths():
