@@ -147,12 +147,13 @@ def test_fp32_scores_near_zero_match_cpu(largest):
         assert budget_error(pg, k.cuda()) <= BUDGET_TOL[torch.float32]
 
 
+@pytest.mark.parametrize("n", [512, 6000])  # the on-chip solver; the long-row solver (its mask partly early)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_nan_rows_match_cpu(dtype):
-    x = adversarial_rows(512, seed=3)
+def test_nan_rows_match_cpu(dtype, n):
+    x = adversarial_rows(n, seed=3)
     x[2, 17] = math.nan
     x[5] = math.nan
-    k, t = budgets(x.shape[0], 512), torch.full((x.shape[0],), 0.5, dtype=F64)
+    k, t = budgets(x.shape[0], n), torch.full((x.shape[0],), 0.5, dtype=F64)
     ok = [r for r in range(x.shape[0]) if r not in (2, 5)]
     for hard in (False, True):
         kk = k.round() if hard else k

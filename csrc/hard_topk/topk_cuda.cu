@@ -23,8 +23,8 @@
 //    - take == 0 or take == L: write all valid indices directly (+ -1 padding).
 //    - L <= cap (cap = smem candidate capacity): load the whole row into shared memory
 //      (keys + indices) once and select there (direct exact path for short rows).
-//    - else if 2.5*take <= cap: sampled path (the row's head and the sample are
-//      prefetched into L2 at the start). Fixed-stride view: groups of 8 contiguous
+//    - else if 2.5*take <= cap: sampled path (the sample's first loads go out with the
+//      length's, the row's head is prefetched into L2). Fixed-stride view: groups of 8 contiguous
 //      scores (one 32 B sector) every 8*s scores, s = clamp(take/27, 1, 64), with a
 //      row-dependent offset; two 11-bit histogram passes over the sample give a 22-bit
 //      key threshold T at sample rank ceil(1.75*take*S/L). One fused full-row pass
@@ -95,6 +95,7 @@ constexpr int kGridMaxRows = 64;
 constexpr int64_t kGridMinN = 65536;
 constexpr int kStageItems = 8192;  // grid kernels: staged composites per CTA tile (64 KiB)
 constexpr int64_t kHeadPrefetchBytes = 64 * 1024;  // row kernel: the row's first two tiles
+constexpr int kSampleUnroll = 8;  // row kernel: independent sample loads in flight per thread
 
 // Warp scans: one barrier per scan (raking has two).
 using BlockScan = cub::BlockScan<uint32_t, kBlock, cub::BLOCK_SCAN_WARP_SCANS>;
@@ -433,10 +434,31 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
   const uint32_t flip = P.flip;
   T* mrow = kMask ? static_cast<T*>(P.out_mask) + r * P.n : nullptr;
 
+  // The sample's first kBlock * kSampleUnroll scores for the usual budget (take = K < L: the
+  // sample's stride and offset follow from K and r alone), loaded before the row's length is
+  // known, so that the two round trips overlap; the sampled path cuts them to the length.
+  // Only those a row of n scores samples (a shorter row samples a prefix of them). Measured:
+  // -4 % where the sample takes more rounds of loads (K = 512 at 256K), within 1 % elsewhere;
+  // 4-byte scores only, as fp16 rows of 128K measured 1.7 % slower with it, for reasons not
+  // found (experiments_session26 runs 3-4).
+  constexpr bool kSpec = !kMask && sizeof(T) == 4;
+  float spec[kSampleUnroll];
+  int64_t spec_s = 0;  // their stride; 0: none loaded
+  if constexpr (kSpec) {
+    if (P.n > P.cap && 2.5 * static_cast<double>(P.K) <= P.cap) {
+      spec_s = row_sample_stride(P.K);
+      const int64_t off = sample_offset(r, spec_s), G = 8 * spec_s, count = ((P.n - off - 8) / G + 1) * 8;
+#pragma unroll
+      for (int u = 0; u < kSampleUnroll; ++u) {
+        const int64_t j = int64_t(u) * kBlock + tid;
+        spec[u] = j < count ? to_float(xr[off + (j >> 3) * G + (j & 7)]) : 0.0f;
+      }
+    }
+  }
   // Into L2 while this CTA reads its length and samples (its stream is idle until then,
   // and the other CTA of the SM alone does not keep the SM's share of DRAM busy): the
-  // row's head, and the sample's sectors for the usual budget (take = K <= L). Hints only:
-  // any address inside the row's n scores is valid, whatever the row's length.
+  // row's head, and the sample's sectors past those loaded above for the usual budget.
+  // Hints only.
   if (P.n > P.cap) {
     const char* head = reinterpret_cast<const char*>(xr);
     const int64_t row_bytes = P.n * int64_t(sizeof(T)), head_bytes = row_bytes < kHeadPrefetchBytes ? row_bytes : kHeadPrefetchBytes;
@@ -445,7 +467,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
     if (!kMask) {
       const int64_t s = row_sample_stride(P.K);
       const int64_t off = sample_offset(r, s);
-      for (int64_t g = tid; g < 2 * kBlock && off + g * 8 * s < P.n; g += kBlock)
+      for (int64_t g = tid + (kSpec && spec_s != 0 ? kBlock * kSampleUnroll / 8 : 0); g < 2 * kBlock && off + g * 8 * s < P.n; g += kBlock)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(xr + off + g * 8 * s));
     }
   }
@@ -492,14 +514,16 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
       // to L2 or DRAM while the other CTA of the SM streams).
       uint32_t* skeys = ckey;  // cap keys then cap indices: 2 * cap slots
       const bool keep = S <= 2 * static_cast<int64_t>(cap);
-      auto samp_each = [&](auto&& f) {
-        constexpr int kU = 8;  // independent sample loads in flight per thread
+      // from_spec: the first kBlock * kU scores are those loaded at the start (same stride,
+      // so the same positions; those at j >= S, past the length, are left out below)
+      auto samp_each = [&](auto&& f, bool from_spec) {
+        constexpr int kU = kSampleUnroll;
         for (int64_t j0 = 0; j0 < S; j0 += int64_t(kBlock) * kU) {
           float v[kU];
 #pragma unroll
           for (int u = 0; u < kU; ++u) {
             const int64_t j = j0 + u * kBlock + tid;
-            v[u] = j < S ? to_float(xr[off + (j >> 3) * G + (j & 7)]) : 0.0f;
+            v[u] = from_spec && j0 == 0 ? spec[u] : (j < S ? to_float(xr[off + (j >> 3) * G + (j & 7)]) : 0.0f);
           }
 #pragma unroll
           for (int u = 0; u < kU; ++u) {
@@ -514,7 +538,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
       };
       for (int i = tid; i < kBins; i += kBlock) hist[i] = 0;
       __syncthreads();
-      samp_each([&](uint32_t key) { atomicAdd(&hist[key >> 21], 1u); });
+      samp_each([&](uint32_t key) { atomicAdd(&hist[key >> 21], 1u); }, kSpec && s == spec_s);
       __syncthreads();
       find_bin(hist, rstar, sh.scan, sh.res);
       const uint32_t d1 = sh.res.digit, rem = rstar - sh.res.above;
@@ -527,7 +551,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
       if (keep) {
         for (int64_t j = tid; j < S; j += kBlock) second(skeys[j]);
       } else {
-        samp_each(second);
+        samp_each(second, kSpec && s == spec_s);
       }
       __syncthreads();
       find_bin(hist, rem, sh.scan, sh.res);
