@@ -514,9 +514,10 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
       // to L2 or DRAM while the other CTA of the SM streams).
       uint32_t* skeys = ckey;  // cap keys then cap indices: 2 * cap slots
       const bool keep = S <= 2 * static_cast<int64_t>(cap);
-      // from_spec: the first kBlock * kU scores are those loaded at the start (same stride,
-      // so the same positions; those at j >= S, past the length, are left out below)
-      auto samp_each = [&](auto&& f, bool from_spec) {
+      // The first kBlock * kU scores were loaded at the start when take's stride is K's (the
+      // same positions; those at j >= S, past the length, are left out below).
+      const bool from_spec = kSpec && s == spec_s;
+      auto samp_each = [&](auto&& f) {
         constexpr int kU = kSampleUnroll;
         for (int64_t j0 = 0; j0 < S; j0 += int64_t(kBlock) * kU) {
           float v[kU];
@@ -538,7 +539,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
       };
       for (int i = tid; i < kBins; i += kBlock) hist[i] = 0;
       __syncthreads();
-      samp_each([&](uint32_t key) { atomicAdd(&hist[key >> 21], 1u); }, kSpec && s == spec_s);
+      samp_each([&](uint32_t key) { atomicAdd(&hist[key >> 21], 1u); });
       __syncthreads();
       find_bin(hist, rstar, sh.scan, sh.res);
       const uint32_t d1 = sh.res.digit, rem = rstar - sh.res.above;
@@ -551,7 +552,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
       if (keep) {
         for (int64_t j = tid; j < S; j += kBlock) second(skeys[j]);
       } else {
-        samp_each(second, kSpec && s == spec_s);
+        samp_each(second);
       }
       __syncthreads();
       find_bin(hist, rem, sh.scan, sh.res);
