@@ -5,7 +5,6 @@ solver's path; each round in a fresh process (run-to-run spread is a few microse
     python benchmarks/soft_forward_sizes.py        (ROUNDS=3 by default)
 """
 import json
-import sys
 
 # (rows, n, k / n): short rows (one CTA each), the bracket's sorted middle set (k = n/16 up to
 # 2^21), the binning chain after it (4e6, 1e7, and k = n/2, whose middle sets exceed one CTA).
@@ -53,8 +52,5 @@ def measure():
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["measure"]:
-        measure()
-    else:
-        from fresh_rounds import run_rounds
-        run_rounds(__file__, "cases: (n, k/n, us graph, middle set, budget error, solver path)")
+    from fresh_rounds import main
+    main(__file__, "cases: (n, k/n, us graph, middle set, budget error, solver path)", measure)

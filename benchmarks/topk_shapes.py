@@ -6,7 +6,6 @@ per-row kernel; each output is checked against torch.topk. For same-run A/B
     python benchmarks/topk_shapes.py        (ROUNDS=3 by default)
 """
 import json
-import sys
 
 KB = 1024
 # (M, N, K, pass lengths, dtype)
@@ -45,8 +44,5 @@ def measure():
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["measure"]:
-        measure()
-    else:
-        from fresh_rounds import run_rounds
-        run_rounds(__file__, "cases: (shape, -, us graph, x one-scan floor, exactness)")
+    from fresh_rounds import main
+    main(__file__, "cases: (shape, -, us graph, x one-scan floor, exactness)", measure)
