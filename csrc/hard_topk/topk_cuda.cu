@@ -442,12 +442,13 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
   // 4-byte scores only, as fp16 rows of 128K measured 1.7 % slower with it, for reasons not
   // found (experiments_session26 runs 3-4).
   constexpr bool kSpec = !kMask && sizeof(T) == 4;
+  const int64_t k_s = row_sample_stride(P.K), k_off = sample_offset(r, k_s);  // K's sample
   float spec[kSampleUnroll];
   int64_t spec_s = 0;  // their stride; 0: none loaded
   if constexpr (kSpec) {
     if (P.n > P.cap && 2.5 * static_cast<double>(P.K) <= P.cap) {
-      spec_s = row_sample_stride(P.K);
-      const int64_t off = sample_offset(r, spec_s), G = 8 * spec_s, count = ((P.n - off - 8) / G + 1) * 8;
+      spec_s = k_s;
+      const int64_t off = k_off, G = 8 * spec_s, count = ((P.n - off - 8) / G + 1) * 8;
 #pragma unroll
       for (int u = 0; u < kSampleUnroll; ++u) {
         const int64_t j = int64_t(u) * kBlock + tid;
@@ -465,10 +466,8 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
     for (int64_t o = int64_t(tid) * 128; o < head_bytes; o += int64_t(kBlock) * 128)
       asm volatile("prefetch.global.L2 [%0];" ::"l"(head + o));
     if (!kMask) {
-      const int64_t s = row_sample_stride(P.K);
-      const int64_t off = sample_offset(r, s);
-      for (int64_t g = tid + (kSpec && spec_s != 0 ? kBlock * kSampleUnroll / 8 : 0); g < 2 * kBlock && off + g * 8 * s < P.n; g += kBlock)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(xr + off + g * 8 * s));
+      for (int64_t g = tid + (kSpec && spec_s != 0 ? kBlock * kSampleUnroll / 8 : 0); g < 2 * kBlock && k_off + g * 8 * k_s < P.n; g += kBlock)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(xr + k_off + g * 8 * k_s));
     }
   }
   int64_t L, take;
