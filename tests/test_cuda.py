@@ -562,6 +562,32 @@ def test_compile_cuda():
             torch.testing.assert_close(gx, gxe, rtol=1e-5, atol=1e-7)
 
 
+def test_compile_reduce_overhead_long_rows():
+    """torch.compile's CUDA graphs (cudagraph trees) over rows of the long-row solver, its
+    calls alternating between rows the sorted middle kernel solves and a row left to the
+    binning chain and its radix fallback (a constant row at k = n/2), equal eager."""
+    n = 1 << 18
+
+    def f(x, k):
+        return fastlapsum.soft_topk(x, k, 1.0, method="bracket"), fastlapsum.lapsum_threshold(x, k, 1.0, method="bracket")
+
+    g = gen(18)
+    k = torch.full((2,), n / 16, dtype=F64, device="cuda")
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True, mode="reduce-overhead")
+    for it in range(5):
+        x = torch.randn(2, n, generator=g).cuda()
+        if it % 2:  # a constant row at k = n/2: the chain and its radix fallback
+            x[1] = 0.5
+            k[1] = n / 2
+        else:
+            k[1] = n / 16
+        got = [v.clone() for v in cf(x, k)]
+        want = f(x, k)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_gradcheck_cuda_fp64():
     g = gen(17)
     x = torch.randn(3, 16, generator=g, dtype=F64).cuda().requires_grad_()
