@@ -3,7 +3,7 @@ K = 2048, ragged causal rows: 1.35x the one-scan floor), and a few others that s
 per-row kernel; each output is checked against torch.topk. For same-run A/B
 (benchmarks/ab_sizes.sh with SCRIPT=benchmarks/topk_shapes.py); each round a fresh process.
 
-    python benchmarks/topk_shapes.py        (ROUNDS=3 by default)
+    python benchmarks/topk_shapes.py        (ROUNDS=3 by default; DTYPES=f16,bf16: those cases only)
 """
 import json
 
@@ -14,10 +14,17 @@ CASES = [(2048, 128 * KB, 2048, True, "f32"), (2048, 128 * KB, 2048, False, "f32
          (512, 128 * KB, 2048, True, "f32"), (2048, 256 * KB, 2048, True, "f32"),
          (1024, 512 * KB, 2048, True, "f32"), (2048, 256 * KB, 512, True, "f32"),
          (2048, 256 * KB, 8192, True, "f32"), (2048, 128 * KB, 2048, True, "f16"),
-         (64, 4096, 512, True, "f32")]
+         (64, 4096, 512, True, "f32"),
+         # 16-bit scores (the row kernel's 256-thread build where 2.5 K <= 5632)
+         (2048, 128 * KB, 2048, False, "f16"), (2048, 128 * KB, 2048, True, "bf16"),
+         (4096, 128 * KB, 2048, True, "f16"), (512, 128 * KB, 2048, True, "f16"),
+         (2048, 256 * KB, 2048, True, "f16"), (1024, 512 * KB, 2048, True, "f16"),
+         (2048, 256 * KB, 512, True, "f16"), (2048, 256 * KB, 4096, True, "f16"), (64, 4096, 512, True, "f16")]
 
 
 def measure():
+    import os
+
     import torch
 
     import fastlapsum
@@ -27,10 +34,14 @@ def measure():
     gen = torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth_gbps(torch.device("cuda"))
     out = []
+    dtypes = os.environ.get("DTYPES")
     for M, N, K, pass_len, dt in CASES:
+        if dtypes and dt not in dtypes.split(","):
+            continue
         x = torch.empty(M, N, device="cuda")
         lengths = causal_fill(x, gen)
-        x = x.half() if dt == "f16" else x
+        if dt != "f32":
+            x = x.to({"f16": torch.float16, "bf16": torch.bfloat16}[dt])
         ln = lengths if pass_len else None
         ms = graph_median_ms(lambda: fastlapsum.topk(x, K, lengths=ln))
         v = fastlapsum.topk(x, K, sorted=True, lengths=ln)[0]

@@ -8,6 +8,8 @@ Shapes are chosen to reach every execution path of the kernel file:
   per-row kernel (rows > 64 or n < 65536): short rows in shared memory (L <= cap),
   sampled path (L > cap), exact fallback (sample proposal fails, or take too large);
   grid path (rows <= 64 and n >= 65536): sampled + candidate buffer, or fallback.
+16-bit scores with 2.5 K <= 5632 take the per-row kernel's 256-thread build (four CTAs an SM,
+a candidate buffer of at most 5632), larger K the 512-thread one.
 """
 import math
 
@@ -118,10 +120,12 @@ def test_low_precision_ties(dtype):
     check(xg, 4096)
 
 
-@pytest.mark.parametrize("rows,n,k", [(70, 30000, 2048), (4, 100000, 2048)])
-def test_ragged_lengths_with_garbage(rows, n, k):
+@pytest.mark.parametrize("dtype", [torch.float32] + LOW_DTYPES)
+@pytest.mark.parametrize("rows,n,k", [(70, 30000, 2048), (4, 100000, 2048),
+                                      (66, 20000, 2252), (66, 20000, 2253)])  # 16-bit: last K of the 256-thread build, first past
+def test_ragged_lengths_with_garbage(rows, n, k, dtype):
     g = gen(5)
-    x = torch.randn(rows, n, generator=g)
+    x = torch.randn(rows, n, generator=g).to(dtype)
     lengths = torch.randint(0, n + 1, (rows,), generator=g)
     lengths[:4] = torch.tensor([0, 1, k - 1, k])  # L_r <= K: all valid, then -1
     lengths[-1] = n

@@ -17,8 +17,9 @@
 // Paths (chosen on the host from static shapes only; everything data-dependent is
 // decided on the device, so no host sync, fixed launch sequence, graph-capturable):
 //
-// 1. Per-row kernel (row_select_kernel, one 512-thread CTA per row), used unless the
-//    grid path below is chosen. Per row: L = valid length (lengths read on the device,
+// 1. Per-row kernel (row_select_kernel, one 512-thread CTA per row, two an SM; for 16-bit
+//    scores with 2.5*K <= 5632, 256 threads, four an SM), used unless the grid path below is
+//    chosen. Per row: L = valid length (lengths read on the device,
 //    clamped to [0, n]), take = min(K, L).
 //    - take == 0 or take == L: write all valid indices directly (+ -1 padding).
 //    - L <= cap (cap = smem candidate capacity): load the whole row into shared memory
@@ -37,7 +38,8 @@
 //    the unsorted output order is deterministic (run to run); then -1 / -inf (+inf for
 //    smallest) padding.
 //    cap = clamp(round_up(4*K, 256), 2048, 24576) entries of (key, index) = 8 B each
-//    (64 KiB for K = 2048) in dynamic shared memory; hard_mask uses cap = 8192.
+//    (64 KiB for K = 2048) in dynamic shared memory, at most 5632 for the 256-thread CTAs;
+//    hard_mask uses cap = 8192.
 // 2. Grid path (g_* kernels), for few long rows (rows <= 64 and n >= 2^16): every row
 //    gets `bpr` CTAs (blockIdx.x; the rows share one full wave of resident CTAs, where
 //    4 per SM made collect 1.33 waves) so a single row of 10^8 scores uses the whole GPU.
@@ -98,7 +100,9 @@ constexpr int64_t kHeadPrefetchBytes = 64 * 1024;  // row kernel: the row's firs
 constexpr int kSampleUnroll = 8;  // row kernel: independent sample loads in flight per thread
 
 // Warp scans: one barrier per scan (raking has two).
-using BlockScan = cub::BlockScan<uint32_t, kBlock, cub::BLOCK_SCAN_WARP_SCANS>;
+template <int kT>
+using BlockScanT = cub::BlockScan<uint32_t, kT, cub::BLOCK_SCAN_WARP_SCANS>;
+using BlockScan = BlockScanT<kBlock>;
 
 struct FindResult {
   uint32_t digit, above, count;
@@ -166,25 +170,25 @@ struct NoTileEnd {
   __device__ void operator()() const {}
 };
 
-// f(score, index) for every index < L handled by CTA `blk` of `nblk`, then tile_end() after
-// each tile of kBlock * U vectors (uniform trip count within the CTA: the loop bound does
-// not depend on the thread, so tile_end may synchronise the block).
-template <typename T, int U = row_unroll<T>(), typename F, typename TileEnd = NoTileEnd>
+// f(score, index) for every index < L handled by CTA `blk` of `nblk` (kT threads each), then
+// tile_end() after each tile of kT * U vectors (uniform trip count within the CTA: the loop
+// bound does not depend on the thread, so tile_end may synchronise the block).
+template <typename T, int U = row_unroll<T>(), int kT = kBlock, typename F, typename TileEnd = NoTileEnd>
 __device__ __forceinline__ void for_row(const T* __restrict__ xr, int64_t L, bool aligned, int64_t blk,
                                         int64_t nblk, F&& f, TileEnd&& tile_end = TileEnd{}) {
   constexpr int V = 16 / sizeof(T);
   const int64_t nv = (L + V - 1) / V;
-  const int64_t step = nblk * kBlock * U;
-  for (int64_t v0 = blk * kBlock * U; v0 < nv; v0 += step) {
+  const int64_t step = nblk * kT * U;
+  for (int64_t v0 = blk * kT * U; v0 < nv; v0 += step) {
     float vals[U][V];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t v = v0 + u * kBlock + threadIdx.x;
+      const int64_t v = v0 + u * kT + threadIdx.x;
       if (v < nv) load_vec<T>(xr, v, L, aligned, vals[u]);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t v = v0 + u * kBlock + threadIdx.x;
+      const int64_t v = v0 + u * kT + threadIdx.x;
       if (v < nv) {
 #pragma unroll
         for (int e = 0; e < V; ++e) {
@@ -199,9 +203,10 @@ __device__ __forceinline__ void for_row(const T* __restrict__ xr, int64_t L, boo
 
 // Block-wide: the bin (scanning from the top) that holds rank `need` (1-based) of the
 // histogram, the count above it and its own count. Ends with a barrier.
-__device__ void find_bin(const uint32_t* hist, uint32_t need, typename BlockScan::TempStorage& tmp,
+template <int kT = kBlock>
+__device__ void find_bin(const uint32_t* hist, uint32_t need, typename BlockScanT<kT>::TempStorage& tmp,
                          FindResult& res) {
-  constexpr int kPer = kBins / kBlock;
+  constexpr int kPer = kBins / kT;
   uint32_t c[kPer];
   uint32_t s = 0;
 #pragma unroll
@@ -210,7 +215,7 @@ __device__ void find_bin(const uint32_t* hist, uint32_t need, typename BlockScan
     s += c[j];
   }
   uint32_t run;
-  BlockScan(tmp).ExclusiveSum(s, run);
+  BlockScanT<kT>(tmp).ExclusiveSum(s, run);
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     if (run < need && run + c[j] >= need) {
@@ -223,16 +228,17 @@ __device__ void find_bin(const uint32_t* hist, uint32_t need, typename BlockScan
   __syncthreads();
 }
 
+template <int kT>
 struct RowShared {
-  typename BlockScan::TempStorage scan;     // find_bin and the output compaction
-  uint32_t tile_tot[2][kBlock / 32];        // ordered_row_compact: warp totals, two in turn
+  typename BlockScanT<kT>::TempStorage scan;  // find_bin and the output compaction
+  uint32_t tile_tot[2][kT / 32];              // ordered_row_compact: warp totals, two in turn
   FindResult res;
 };
 
 // Exact block-wide radix select of the top `need` composites of the elements that
 // `each(f)` visits (f(key, index)). hist_ready: pass 0's histogram is already in `hist`.
-template <typename Each>
-__device__ void block_select(Each&& each, uint32_t need, bool hist_ready, uint32_t* hist, RowShared& sh,
+template <int kT, typename Each>
+__device__ void block_select(Each&& each, uint32_t need, bool hist_ready, uint32_t* hist, RowShared<kT>& sh,
                              uint64_t& prefix_out, int& ks_out) {
   uint64_t prefix = 0;
   int ks = 0;
@@ -241,7 +247,7 @@ __device__ void block_select(Each&& each, uint32_t need, bool hist_ready, uint32
     const int hi = s + digit_width(p);
     const uint64_t mask = (1ull << digit_width(p)) - 1;
     if (!(p == 0 && hist_ready)) {
-      for (int i = threadIdx.x; i < kBins; i += kBlock) hist[i] = 0;
+      for (int i = threadIdx.x; i < kBins; i += kT) hist[i] = 0;
       __syncthreads();
       each([&](uint32_t key, uint32_t idx) {
         const uint64_t c = composite(key, idx);
@@ -249,7 +255,7 @@ __device__ void block_select(Each&& each, uint32_t need, bool hist_ready, uint32
       });
       __syncthreads();
     }
-    find_bin(hist, need, sh.scan, sh.res);
+    find_bin<kT>(hist, need, sh.scan, sh.res);
     const FindResult r = sh.res;
     prefix |= static_cast<uint64_t>(r.digit) << s;
     need -= r.above;
@@ -340,25 +346,25 @@ __device__ __forceinline__ float key_bound(uint32_t key) {
 // (tile_exclusive_sum): tiles alternate between two warp-total arrays, and an array is
 // written again only after the barrier of the scan in between, which every thread reaches
 // after reading its prefix.
-template <typename T, typename Pred, typename Sink>
+template <int kT, typename T, typename Pred, typename Sink>
 __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, bool aligned, uint32_t flip,
-                                        uint32_t (&tot)[2][kBlock / 32], Pred&& pred, Sink&& sink) {
+                                        uint32_t (&tot)[2][kT / 32], Pred&& pred, Sink&& sink) {
   constexpr int V = 16 / sizeof(T), U = row_unroll<T>();
   static_assert(U * V <= 32, "one bit per score of a thread's tile");
   // Vector indices in 32 bits (a row has < 2^32 scores, so < 2^30 vectors): the loop runs at
   // the kernel's register cap, and 64-bit counters take a register pair each.
   const uint32_t nv = static_cast<uint32_t>((L + V - 1) / V), whole = static_cast<uint32_t>(L / V);
-  constexpr uint32_t step = uint32_t(kBlock) * U;
+  constexpr uint32_t step = uint32_t(kT) * U;
   const auto load_tile = [&](int4(&raw)[U], uint32_t v0) {
     if (aligned && v0 + step <= whole) {  // a whole aligned tile (uniform): no per-vector checks
       const int4* p = reinterpret_cast<const int4*>(xr) + v0 + threadIdx.x;
 #pragma unroll
-      for (int u = 0; u < U; ++u) raw[u] = __ldg(p + u * kBlock);
+      for (int u = 0; u < U; ++u) raw[u] = __ldg(p + u * kT);
       return;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const uint32_t v = v0 + u * kBlock + threadIdx.x;
+      const uint32_t v = v0 + u * kT + threadIdx.x;
       if (v < nv) raw[u] = load_raw_vec<T>(xr, v, L, aligned);
     }
   };
@@ -369,32 +375,32 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
   load_tile(cur, 0);
   for (uint32_t v0 = 0; v0 < nv; v0 += step) {
     if (v0 + step < nv) load_tile(next, v0 + step);
-    const uint32_t i0 = (v0 + threadIdx.x) * V;  // score (u, e) is i0 + u*kBlock*V + e
+    const uint32_t i0 = (v0 + threadIdx.x) * V;  // score (u, e) is i0 + u*kT*V + e
     uint32_t bits = 0;
     if (v0 + step <= whole) {  // whole tile (uniform in the block)
 #pragma unroll
       for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int e = 0; e < V; ++e)
-          bits |= static_cast<uint32_t>(pred(score(cur, u, e), i0 + u * kBlock * V + e)) << (u * V + e);
+          bits |= static_cast<uint32_t>(pred(score(cur, u, e), i0 + u * kT * V + e)) << (u * V + e);
     } else {
 #pragma unroll
       for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int e = 0; e < V; ++e) {
-          const int64_t i = int64_t(v0 + u * kBlock + threadIdx.x) * V + e;
+          const int64_t i = int64_t(v0 + u * kT + threadIdx.x) * V + e;
           if (i < L && pred(score(cur, u, e), static_cast<uint32_t>(i))) bits |= 1u << (u * V + e);
         }
     }
     uint32_t agg;
-    uint32_t pos = tile_exclusive_sum<kBlock>(static_cast<uint32_t>(__popc(bits)), tot[par], agg);
+    uint32_t pos = tile_exclusive_sum<kT>(static_cast<uint32_t>(__popc(bits)), tot[par], agg);
     // Only the set bits: a test per score here cost the pass as much as the scores' own
     // compares (every warp has a thread with a hit). The rare hits re-read their score, an
     // L1 hit, since a register can only be picked by a constant index.
     pos += base;
     for (uint32_t b = bits; b != 0; b &= b - 1, ++pos) {
       const int k = __ffs(b) - 1;
-      const uint32_t i = i0 + (k / V) * kBlock * V + k % V;
+      const uint32_t i = i0 + (k / V) * kT * V + k % V;
       sink(pos, float_key(to_float(xr[i])) ^ flip, i);
     }
     base += agg;
@@ -418,14 +424,14 @@ __device__ __forceinline__ int64_t sample_offset(int64_t r, int64_t s) {
 
 // ---- per-row kernel ----------------------------------------------------------------------
 
-template <typename T, bool kMask>
-__global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
+template <typename T, bool kMask, int kT>
+__global__ void __launch_bounds__(kT, 1024 / kT) row_select_kernel(Params P) {
   begin_dependent_grid();
   extern __shared__ __align__(16) unsigned char dyn_smem[];
   uint32_t* ckey = reinterpret_cast<uint32_t*>(dyn_smem);
   uint32_t* cidx = ckey + P.cap;
   __shared__ uint32_t hist[kBins];
-  __shared__ RowShared sh;
+  __shared__ RowShared<kT> sh;
 
   const int64_t r = blockIdx.x;
   const int tid = threadIdx.x;
@@ -434,7 +440,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
   const uint32_t flip = P.flip;
   T* mrow = kMask ? static_cast<T*>(P.out_mask) + r * P.n : nullptr;
 
-  // The sample's first kBlock * kSampleUnroll scores for the usual budget (take = K < L: the
+  // The sample's first kT * kSampleUnroll scores for the usual budget (take = K < L: the
   // sample's stride and offset follow from K and r alone), loaded before the row's length is
   // known, so that the two round trips overlap; the sampled path cuts them to the length.
   // Only those a row of n scores samples (a shorter row samples a prefix of them). Measured:
@@ -451,7 +457,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
       const int64_t off = k_off, G = 8 * spec_s, count = ((P.n - off - 8) / G + 1) * 8;
 #pragma unroll
       for (int u = 0; u < kSampleUnroll; ++u) {
-        const int64_t j = int64_t(u) * kBlock + tid;
+        const int64_t j = int64_t(u) * kT + tid;
         spec[u] = j < count ? to_float(xr[off + (j >> 3) * G + (j & 7)]) : 0.0f;
       }
     }
@@ -463,34 +469,34 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
   if (P.n > P.cap) {
     const char* head = reinterpret_cast<const char*>(xr);
     const int64_t row_bytes = P.n * int64_t(sizeof(T)), head_bytes = row_bytes < kHeadPrefetchBytes ? row_bytes : kHeadPrefetchBytes;
-    for (int64_t o = int64_t(tid) * 128; o < head_bytes; o += int64_t(kBlock) * 128)
+    for (int64_t o = int64_t(tid) * 128; o < head_bytes; o += int64_t(kT) * 128)
       asm volatile("prefetch.global.L2 [%0];" ::"l"(head + o));
     if (!kMask) {
-      for (int64_t g = tid + (kSpec && spec_s != 0 ? kBlock * kSampleUnroll / 8 : 0); g < 2 * kBlock && k_off + g * 8 * k_s < P.n; g += kBlock)
+      for (int64_t g = tid + (kSpec && spec_s != 0 ? kT * kSampleUnroll / 8 : 0); g < 2 * kT && k_off + g * 8 * k_s < P.n; g += kT)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(xr + k_off + g * 8 * k_s));
     }
   }
   int64_t L, take;
   if (!row_budget<kMask>(P, r, L, take)) {
-    for (int64_t i = tid; i < P.n; i += kBlock) mrow[i] = static_cast<T>(NAN);
+    for (int64_t i = tid; i < P.n; i += kT) mrow[i] = static_cast<T>(NAN);
     return;
   }
   if (take == 0 || take == L) {  // nothing or everything valid is selected
     if (kMask) {
       const T v = static_cast<T>(take == 0 ? 0.0f : 1.0f);
-      for (int64_t i = tid; i < P.n; i += kBlock) mrow[i] = v;
+      for (int64_t i = tid; i < P.n; i += kT) mrow[i] = v;
     } else {
-      for (int64_t i = tid; i < L; i += kBlock) {
+      for (int64_t i = tid; i < L; i += kT) {
         const uint32_t key = float_key(to_float(xr[i])) ^ flip;
         emit<T>(P, r, i, composite(key, static_cast<uint32_t>(i)));
       }
-      pad_row<T>(P, r, take, tid, kBlock);
+      pad_row<T>(P, r, take, tid, kT);
     }
     return;
   }
 
   auto row_each = [&](auto&& f) {
-    for_row<T>(xr, L, aligned, 0, 1, [&](float v, int64_t i) { f(float_key(v) ^ flip, static_cast<uint32_t>(i)); });
+    for_row<T, row_unroll<T>(), kT>(xr, L, aligned, 0, 1, [&](float v, int64_t i) { f(float_key(v) ^ flip, static_cast<uint32_t>(i)); });
   };
 
   // ---- candidate formation: whole row (short rows) or sampled threshold ----
@@ -513,21 +519,21 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
       // to L2 or DRAM while the other CTA of the SM streams).
       uint32_t* skeys = ckey;  // cap keys then cap indices: 2 * cap slots
       const bool keep = S <= 2 * static_cast<int64_t>(cap);
-      // The first kBlock * kU scores were loaded at the start when take's stride is K's (the
+      // The first kT * kU scores were loaded at the start when take's stride is K's (the
       // same positions; those at j >= S, past the length, are left out below).
       const bool from_spec = kSpec && s == spec_s;
       auto samp_each = [&](auto&& f) {
         constexpr int kU = kSampleUnroll;
-        for (int64_t j0 = 0; j0 < S; j0 += int64_t(kBlock) * kU) {
+        for (int64_t j0 = 0; j0 < S; j0 += int64_t(kT) * kU) {
           float v[kU];
 #pragma unroll
           for (int u = 0; u < kU; ++u) {
-            const int64_t j = j0 + u * kBlock + tid;
+            const int64_t j = j0 + u * kT + tid;
             v[u] = from_spec && j0 == 0 ? spec[u] : (j < S ? to_float(xr[off + (j >> 3) * G + (j & 7)]) : 0.0f);
           }
 #pragma unroll
           for (int u = 0; u < kU; ++u) {
-            const int64_t j = j0 + u * kBlock + tid;
+            const int64_t j = j0 + u * kT + tid;
             if (j < S) {
               const uint32_t key = float_key(v[u]) ^ flip;
               if (keep) skeys[j] = key;
@@ -536,32 +542,32 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
           }
         }
       };
-      for (int i = tid; i < kBins; i += kBlock) hist[i] = 0;
+      for (int i = tid; i < kBins; i += kT) hist[i] = 0;
       __syncthreads();
       samp_each([&](uint32_t key) { atomicAdd(&hist[key >> 21], 1u); });
       __syncthreads();
-      find_bin(hist, rstar, sh.scan, sh.res);
+      find_bin<kT>(hist, rstar, sh.scan, sh.res);
       const uint32_t d1 = sh.res.digit, rem = rstar - sh.res.above;
       __syncthreads();
-      for (int i = tid; i < kBins; i += kBlock) hist[i] = 0;
+      for (int i = tid; i < kBins; i += kT) hist[i] = 0;
       __syncthreads();
       const auto second = [&](uint32_t key) {
         if ((key >> 21) == d1) atomicAdd(&hist[(key >> 10) & 2047u], 1u);
       };
       if (keep) {
-        for (int64_t j = tid; j < S; j += kBlock) second(skeys[j]);
+        for (int64_t j = tid; j < S; j += kT) second(skeys[j]);
       } else {
         samp_each(second);
       }
       __syncthreads();
-      find_bin(hist, rem, sh.scan, sh.res);
+      find_bin<kT>(hist, rem, sh.scan, sh.res);
       thr = (d1 << 21) | (sh.res.digit << 10);
       __syncthreads();
     }
   }
   uint32_t C = 0;
   if (try_cand) {
-    for (int i = tid; i < kBins; i += kBlock) hist[i] = 0;
+    for (int i = tid; i < kBins; i += kT) hist[i] = 0;
     __syncthreads();
     const auto add = [&](uint32_t pos, uint32_t key, uint32_t i) {
       if (pos < static_cast<uint32_t>(cap)) {
@@ -576,17 +582,17 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
     // bound of ~thr (NaN, the worst there, left out: needed only when the row underfills).
     if (flip == 0) {
       const float lo = key_bound(thr);
-      C = ordered_row_compact<T>(xr, L, aligned, flip, sh.tile_tot, [&](float v, uint32_t) { return !(v < lo); }, add);
+      C = ordered_row_compact<kT, T>(xr, L, aligned, flip, sh.tile_tot, [&](float v, uint32_t) { return !(v < lo); }, add);
     } else {
       const float hi = key_bound(~thr);
-      C = ordered_row_compact<T>(xr, L, aligned, flip, sh.tile_tot, [&](float v, uint32_t) { return v <= hi; }, add);
+      C = ordered_row_compact<kT, T>(xr, L, aligned, flip, sh.tile_tot, [&](float v, uint32_t) { return v <= hi; }, add);
     }
     __syncthreads();
   }
   const bool ok = try_cand && C >= take && C <= static_cast<uint32_t>(cap);
 
   auto smem_each = [&](auto&& f) {
-    for (uint32_t i = tid; i < C; i += kBlock) f(ckey[i], cidx[i]);
+    for (uint32_t i = tid; i < C; i += kT) f(ckey[i], cidx[i]);
   };
 
   uint64_t prefix;
@@ -599,7 +605,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
 
   // ---- output ----
   if (kMask) {
-    for_row<T>(xr, P.n, aligned, 0, 1, [&](float v, int64_t i) {
+    for_row<T, row_unroll<T>(), kT>(xr, P.n, aligned, 0, 1, [&](float v, int64_t i) {
       const uint64_t c = composite(float_key(v) ^ flip, static_cast<uint32_t>(i));
       mrow[i] = static_cast<T>(selected(c, prefix, ks) ? 1.0f : 0.0f);
     });
@@ -614,7 +620,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
       // (written from the scan's positions directly, a warp's stores hit 32 sectors each).
       constexpr int kPer = 4;  // 8 would add live registers to a kernel at its 64-register cap
       uint32_t base = 0;
-      for (uint32_t i0 = 0; i0 < C; i0 += kBlock * kPer) {
+      for (uint32_t i0 = 0; i0 < C; i0 += kT * kPer) {
         uint32_t kk[kPer], ii[kPer], sel = 0;
 #pragma unroll
         for (int j = 0; j < kPer; ++j) {
@@ -624,7 +630,7 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
           if (i < C && is_sel(kk[j], ii[j])) sel |= 1u << j;
         }
         uint32_t pos, agg;
-        BlockScan(sh.scan).ExclusiveSum(static_cast<uint32_t>(__popc(sel)), pos, agg);
+        BlockScanT<kT>(sh.scan).ExclusiveSum(static_cast<uint32_t>(__popc(sel)), pos, agg);
         pos += base;
 #pragma unroll
         for (int j = 0; j < kPer; ++j)
@@ -636,11 +642,11 @@ __global__ void __launch_bounds__(kBlock, 2) row_select_kernel(Params P) {
         base += agg;
         __syncthreads();
       }
-      for (uint32_t j = tid; j < base; j += kBlock) out(j, ckey[j], cidx[j]);
+      for (uint32_t j = tid; j < base; j += kT) out(j, ckey[j], cidx[j]);
     } else {
-      ordered_row_compact<T>(xr, L, aligned, flip, sh.tile_tot, is_sel_score, out);
+      ordered_row_compact<kT, T>(xr, L, aligned, flip, sh.tile_tot, is_sel_score, out);
     }
-    pad_row<T>(P, r, take, tid, kBlock);
+    pad_row<T>(P, r, take, tid, kT);
   }
 }
 
@@ -1037,11 +1043,28 @@ void launch(Params P, int64_t rows, const at::Tensor& x) {
   }
   int64_t cap = kMask ? 8192 : ((4 * P.K + 255) / 256) * 256;
   cap = std::max<int64_t>(2048, std::min<int64_t>(cap, 24576));
-  P.cap = static_cast<int>(cap);
-  const int smem = static_cast<int>(cap * 8);
-  set_max_dynamic_smem(row_select_kernel<T, kMask>, smem, x.get_device());
   TORCH_CHECK(rows <= 2147483647LL, "fastlapsum.topk: too many rows for the CUDA kernel");
-  launch_dependent(row_select_kernel<T, kMask>, static_cast<unsigned>(rows), kBlock, smem, stream, P);
+  const auto launch_rows = [&](auto kernel, int threads) {
+    P.cap = static_cast<int>(cap);
+    const int smem = static_cast<int>(cap * 8);
+    set_max_dynamic_smem(kernel, smem, x.get_device());
+    launch_dependent(kernel, static_cast<unsigned>(rows), threads, smem, stream, P);
+  };
+  // 16-bit scores: 256-thread CTAs, four an SM (a candidate buffer of at most kQuarterCap, so
+  // that four fit), where the sampled path still fits that buffer. A 16-bit row is half the
+  // bytes of an fp32 one, so its fixed phases (length, sample, select, output) are a larger
+  // share of its time, and four CTAs an SM overlap them with streaming better than two.
+  // Measured (experiments_session27 run 6): -10 to -13.5 % at N = 128K (fp16 and bf16),
+  // -5 to -7 % at 256K, -1.4 % at 512K; fp32 rows measured slower so (run 2).
+  if constexpr (!kMask && sizeof(T) == 2) {
+    constexpr int64_t kQuarterCap = 5632;
+    if (2.5 * static_cast<double>(P.K) <= static_cast<double>(kQuarterCap)) {
+      cap = std::min(cap, kQuarterCap);
+      launch_rows(row_select_kernel<T, kMask, kBlock / 2>, kBlock / 2);
+      return;
+    }
+  }
+  launch_rows(row_select_kernel<T, kMask, kBlock>, kBlock);
 }
 
 // fp64: exact, composed of ATen ops. Signed int64 keys with the order of the doubles
