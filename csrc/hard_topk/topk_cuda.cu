@@ -99,6 +99,10 @@ constexpr int kStageItems = 8192;  // grid kernels: staged composites per CTA ti
 constexpr int64_t kHeadPrefetchBytes = 64 * 1024;  // row kernel: the row's first two tiles
 constexpr int kSampleUnroll = 8;  // row kernel: independent sample loads in flight per thread
 
+// The row kernel's sampled path needs a candidate buffer of 2.5x the budget (its threshold
+// admits ~1.75x): else the row takes the exact fallback.
+__host__ __device__ inline bool sample_fits(double take, double cap) { return 2.5 * take <= cap; }
+
 // Warp scans: one barrier per scan (raking has two).
 template <int kT>
 using BlockScanT = cub::BlockScan<uint32_t, kT, cub::BLOCK_SCAN_WARP_SCANS>;
@@ -452,7 +456,7 @@ __global__ void __launch_bounds__(kT, 1024 / kT) row_select_kernel(Params P) {
   float spec[kSampleUnroll];
   int64_t spec_s = 0;  // their stride; 0: none loaded
   if constexpr (kSpec) {
-    if (P.n > P.cap && 2.5 * static_cast<double>(P.K) <= P.cap) {
+    if (P.n > P.cap && sample_fits(P.K, P.cap)) {
       spec_s = k_s;
       const int64_t off = k_off, G = 8 * spec_s, count = ((P.n - off - 8) / G + 1) * 8;
 #pragma unroll
@@ -504,7 +508,7 @@ __global__ void __launch_bounds__(kT, 1024 / kT) row_select_kernel(Params P) {
   bool try_cand = true;
   uint32_t thr = 0;
   if (L > cap) {
-    if (2.5 * static_cast<double>(take) > cap) {
+    if (!sample_fits(take, cap)) {
       try_cand = false;
     } else {
       const int64_t s = row_sample_stride(take);
@@ -1044,9 +1048,9 @@ void launch(Params P, int64_t rows, const at::Tensor& x) {
   int64_t cap = kMask ? 8192 : ((4 * P.K + 255) / 256) * 256;
   cap = std::max<int64_t>(2048, std::min<int64_t>(cap, 24576));
   TORCH_CHECK(rows <= 2147483647LL, "fastlapsum.topk: too many rows for the CUDA kernel");
-  const auto launch_rows = [&](auto kernel, int threads) {
-    P.cap = static_cast<int>(cap);
-    const int smem = static_cast<int>(cap * 8);
+  const auto launch_rows = [&](auto kernel, int threads, int64_t buffer) {
+    P.cap = static_cast<int>(buffer);
+    const int smem = static_cast<int>(buffer * 8);
     set_max_dynamic_smem(kernel, smem, x.get_device());
     launch_dependent(kernel, static_cast<unsigned>(rows), threads, smem, stream, P);
   };
@@ -1058,13 +1062,12 @@ void launch(Params P, int64_t rows, const at::Tensor& x) {
   // -5 to -7 % at 256K, -1.4 % at 512K; fp32 rows measured slower so (run 2).
   if constexpr (!kMask && sizeof(T) == 2) {
     constexpr int64_t kQuarterCap = 5632;
-    if (2.5 * static_cast<double>(P.K) <= static_cast<double>(kQuarterCap)) {
-      cap = std::min(cap, kQuarterCap);
-      launch_rows(row_select_kernel<T, kMask, kBlock / 2>, kBlock / 2);
+    if (sample_fits(P.K, kQuarterCap)) {
+      launch_rows(row_select_kernel<T, kMask, kBlock / 2>, kBlock / 2, std::min(cap, kQuarterCap));
       return;
     }
   }
-  launch_rows(row_select_kernel<T, kMask, kBlock>, kBlock);
+  launch_rows(row_select_kernel<T, kMask, kBlock>, kBlock, cap);
 }
 
 // fp64: exact, composed of ATen ops. Signed int64 keys with the order of the doubles
