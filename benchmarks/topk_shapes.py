@@ -4,6 +4,8 @@ per-row kernel; each output is checked against torch.topk. For same-run A/B
 (benchmarks/ab_sizes.sh with SCRIPT=benchmarks/topk_shapes.py); each round a fresh process.
 
     python benchmarks/topk_shapes.py        (ROUNDS=3 by default; DTYPES=f16,bf16: those cases only)
+    SHAPES=64x1048576x2048,65x131072x2048:f16 python benchmarks/topk_shapes.py   (other cases: M x N x K
+    [:dtype], ragged causal rows with lengths passed)
 """
 import json
 
@@ -35,7 +37,14 @@ def measure():
     bw = copy_bandwidth_gbps(torch.device("cuda"))
     out = []
     dtypes = os.environ.get("DTYPES")
-    for M, N, K, pass_len, dt in CASES:
+    cases = CASES
+    if os.environ.get("SHAPES"):
+        cases = []
+        for item in os.environ["SHAPES"].split(","):
+            shape, _, dt = item.partition(":")
+            M, N, K = (int(v) for v in shape.split("x"))
+            cases.append((M, N, K, True, dt or "f32"))
+    for M, N, K, pass_len, dt in cases:
         if dtypes and dt not in dtypes.split(","):
             continue
         x = torch.empty(M, N, device="cuda")

@@ -7,7 +7,8 @@ must return the very same indices and values as the CPU op (the deterministic
 Shapes are chosen to reach every execution path of the kernel file:
   per-row kernel (rows > 64 or n < 65536): short rows in shared memory (L <= cap),
   sampled path (L > cap), exact fallback (sample proposal fails, or take too large);
-  grid path (rows <= 64 and n >= 65536): sampled + candidate buffer, or fallback.
+  grid path (rows <= 64 and n >= 65536 where its cost estimate is lower: long rows, or a
+  budget too large for the per-row sampled path): sampled + candidate buffer, or fallback.
 16-bit scores with 2.5 K <= 5632 take the per-row kernel's 256-thread build (four CTAs an SM,
 a candidate buffer of at most 5632), larger K the 512-thread one.
 """
@@ -90,7 +91,8 @@ def hard_rows(rows, n, seed, *, stride_period=512):
     ((70, 40000), 100),    # per-row, sampled (cap 2048 < L), small stride
     ((72, 70000), 2048),   # per-row, sampled, stride 64
     ((66, 30000), 12000),  # per-row, 2.5 take > cap: exact fallback over the row
-    ((3, 100000), 3000),   # grid path, sampled + candidates
+    ((3, 100000), 3000),   # per-row, sampled (few rows short enough for the per-row kernel)
+    ((3, 300000), 3000),   # grid path, sampled + candidates
     ((2, 70000), 30000),   # grid path, large k
 ])
 def test_paths_match_cpu(shape, k, largest):
@@ -121,7 +123,7 @@ def test_low_precision_ties(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32] + LOW_DTYPES)
-@pytest.mark.parametrize("rows,n,k", [(70, 30000, 2048), (4, 100000, 2048),
+@pytest.mark.parametrize("rows,n,k", [(70, 30000, 2048), (4, 100000, 2048), (4, 300000, 2048),
                                       (66, 20000, 2252), (66, 20000, 2253)])  # 16-bit: last K of the 256-thread build, first past
 def test_ragged_lengths_with_garbage(rows, n, k, dtype):
     g = gen(5)
@@ -156,11 +158,11 @@ def test_row_pitch():
 
 
 def test_split_equals_single_cta():
-    """Rows <= 64 take the grid (split) path, rows > 64 the per-row path: same answer."""
-    x = torch.randn(65, 70000, generator=gen(9)).cuda()
+    """4 long rows take the grid (split) path, 65 rows the per-row path: same answer."""
+    x = torch.randn(65, 300000, generator=gen(9)).cuda()
     v1, i1 = fastlapsum.topk(x, 2048, sorted=True)
-    v2, i2 = fastlapsum.topk(x[:64], 2048, sorted=True)
-    assert torch.equal(i1[:64], i2) and torch.equal(v1[:64], v2)
+    v2, i2 = fastlapsum.topk(x[:4], 2048, sorted=True)
+    assert torch.equal(i1[:4], i2) and torch.equal(v1[:4], v2)
 
 
 def test_fp64_and_edge_k():
@@ -178,8 +180,8 @@ def test_cuda_graph_lengths_change():
     rows, n, k = 80, 30000, 2048
     x = torch.randn(rows, n, generator=gen(11)).cuda()
     lengths = torch.full((rows,), n, dtype=torch.int64, device="cuda")
-    xs = torch.randn(2, 100000, generator=gen(12)).cuda()
-    ls = torch.full((2,), 100000, dtype=torch.int64, device="cuda")
+    xs = torch.randn(2, 300000, generator=gen(12)).cuda()  # the grid path
+    ls = torch.full((2,), 300000, dtype=torch.int64, device="cuda")
 
     def step():
         a = fastlapsum.topk(x, k, sorted=True, lengths=lengths)
@@ -190,7 +192,7 @@ def test_cuda_graph_lengths_change():
     for seed in (13, 14):
         g = gen(seed)
         lengths.copy_(torch.randint(0, n + 1, (rows,), generator=g))
-        ls.copy_(torch.randint(0, 100001, (2,), generator=g))
+        ls.copy_(torch.randint(0, 300001, (2,), generator=g))
         x.copy_(torch.randn(rows, n, generator=g))
         graph.replay()
         torch.cuda.synchronize()

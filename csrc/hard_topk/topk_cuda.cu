@@ -40,7 +40,8 @@
 //    cap = clamp(round_up(4*K, 256), 2048, 24576) entries of (key, index) = 8 B each
 //    (64 KiB for K = 2048) in dynamic shared memory, at most 5632 for the 256-thread CTAs;
 //    hard_mask uses cap = 8192.
-// 2. Grid path (g_* kernels), for few long rows (rows <= 64 and n >= 2^16): every row
+// 2. Grid path (g_* kernels), for few long rows (rows <= 64 and n >= 2^16, where its cost
+//    estimate beats the per-row kernel's: use_grid_path): every row
 //    gets `bpr` CTAs (blockIdx.x; the rows share one full wave of resident CTAs, where
 //    4 per SM made collect 1.33 waves) so a single row of 10^8 scores uses the whole GPU.
 //    Fixed sequence of launches: init, sample histogram a, scan, sample histogram b,
@@ -51,9 +52,11 @@
 //    fallback to the full row), 6 x (histogram pass, scan) of the radix select over the
 //    candidates (or the row), output. Passes after the select is decided exit at once.
 //    This also plays the role of KV-split (several CTAs per row for few long rows),
-//    with kernel boundaries instead of a last-arriver counter. The selected SET is
-//    deterministic, but the unsorted output ORDER of this path is not (tiles reserve
-//    output ranges with a global atomic); sorted=True is deterministic everywhere.
+//    with kernel boundaries instead of a last-arriver counter. Its launches cost ~35 us, so
+//    up to 64 rows of up to ~128K scores (fp32) run faster on the per-row kernel. The
+//    selected SET is deterministic, but the unsorted output ORDER of this path is not
+//    (tiles reserve output ranges with a global atomic); sorted=True is deterministic
+//    everywhere.
 // sorted=True: the kernels also write the composite (as an order-preserving int64), and
 // the K outputs of each row are then permuted by one at::sort of it (descending: best
 // first, ties by smaller index, padding last).
@@ -95,6 +98,7 @@ template <typename T>
 constexpr int row_unroll() { return sizeof(T) >= 4 ? 4 : 2; }
 constexpr int kGridMaxRows = 64;
 constexpr int64_t kGridMinN = 65536;
+constexpr int64_t kQuarterCap = 5632;  // 256-thread row CTAs' candidate buffer (four an SM)
 constexpr int kStageItems = 8192;  // grid kernels: staged composites per CTA tile (64 KiB)
 constexpr int64_t kHeadPrefetchBytes = 64 * 1024;  // row kernel: the row's first two tiles
 constexpr int kSampleUnroll = 8;  // row kernel: independent sample loads in flight per thread
@@ -998,7 +1002,33 @@ __global__ void __launch_bounds__(kBlock) g_output(Params P) {
 }
 
 // ---- host side ---------------------------------------------------------------------------
-bool use_grid_path(int64_t rows, int64_t n) { return rows <= kGridMaxRows && n >= kGridMinN; }
+// The per-row kernel's candidate buffer (entries) for budget K, and whether 16-bit scores
+// take its 256-thread build (four CTAs an SM; a buffer of at most kQuarterCap).
+int64_t row_cap(bool mask, int64_t K) {
+  const int64_t cap = mask ? 8192 : ((4 * K + 255) / 256) * 256;
+  return std::max<int64_t>(2048, std::min<int64_t>(cap, 24576));
+}
+template <typename T, bool kMask>
+bool quarter_build(int64_t K) { return !kMask && sizeof(T) == 2 && sample_fits(K, kQuarterCap); }
+
+// Few long rows (rows <= 64, n >= 2^16): the grid path or the per-row kernel, whichever a
+// cost estimate from the H200's measurements puts lower (experiments_session28 runs 6-7: the
+// faster path on 28 of 29 shapes of 1-64 rows x 64K-1M scores, fp32 and fp16; the one miss
+// a near tie). The grid path: ~35 us of launches plus ~625K scores a microsecond. The
+// per-row kernel: ~17 us plus one CTA streaming its row at the rate its loads in flight
+// allow (~0.8 us a round trip; its few CTAs leave DRAM idle, so each streams at that rate).
+// A budget too large for the per-row kernel's sampled path (it would stream the row up to
+// seven times) keeps the grid path; so does hard_mask (not measured here).
+template <typename T, bool kMask>
+bool use_grid_path(int64_t rows, int64_t n, int64_t K) {
+  if (rows > kGridMaxRows || n < kGridMinN) return false;
+  if (kMask || !sample_fits(K, row_cap(kMask, K))) return true;
+  const double threads = quarter_build<T, kMask>(K) ? kBlock / 2 : kBlock;
+  const double in_flight = threads * row_unroll<T>() * 16.0;  // bytes
+  const double row_us = 17.0 + 0.8 * static_cast<double>(n) * sizeof(T) / in_flight;
+  const double grid_us = 35.0 + static_cast<double>(rows) * static_cast<double>(n) / 625000.0;
+  return grid_us < row_us;
+}
 
 // Scores as a [rows, n] view with unit inner stride (row pitch kept).
 at::Tensor rows_view(const at::Tensor& x) {
@@ -1012,7 +1042,7 @@ template <typename T, bool kMask>
 void launch(Params P, int64_t rows, const at::Tensor& x) {
   const cudaStream_t stream = current_stream();
   if (rows == 0) return;
-  if (use_grid_path(rows, P.n)) {
+  if (use_grid_path<T, kMask>(rows, P.n, P.K)) {
     const int sms = sm_count();  // x's device: the caller holds its guard
     const int stage_bytes = kStageItems * 8;
     set_max_dynamic_smem(g_collect<T, kMask>, stage_bytes, x.get_device());
@@ -1045,8 +1075,7 @@ void launch(Params P, int64_t rows, const at::Tensor& x) {
     launch_dependent(g_output<T, kMask>, grid, kBlock, stage_bytes, stream, P);
     return;
   }
-  int64_t cap = kMask ? 8192 : ((4 * P.K + 255) / 256) * 256;
-  cap = std::max<int64_t>(2048, std::min<int64_t>(cap, 24576));
+  const int64_t cap = row_cap(kMask, P.K);
   TORCH_CHECK(rows <= 2147483647LL, "fastlapsum.topk: too many rows for the CUDA kernel");
   const auto launch_rows = [&](auto kernel, int threads, int64_t buffer) {
     P.cap = static_cast<int>(buffer);
@@ -1061,8 +1090,7 @@ void launch(Params P, int64_t rows, const at::Tensor& x) {
   // Measured (experiments_session27 run 6): -10 to -13.5 % at N = 128K (fp16 and bf16),
   // -5 to -7 % at 256K, -1.4 % at 512K; fp32 rows measured slower so (run 2).
   if constexpr (!kMask && sizeof(T) == 2) {
-    constexpr int64_t kQuarterCap = 5632;
-    if (sample_fits(P.K, kQuarterCap)) {
+    if (quarter_build<T, kMask>(P.K)) {
       launch_rows(row_select_kernel<T, kMask, kBlock / 2>, kBlock / 2, std::min(cap, kQuarterCap));
       return;
     }
