@@ -5,7 +5,7 @@ must return the very same indices and values as the CPU op (the deterministic
 "smaller index wins" tie-break), and with sorted=False the same index *set*.
 
 Shapes are chosen to reach every execution path of the kernel file:
-  per-row kernel (rows > 64 or n < 65536): short rows in shared memory (L <= cap),
+  per-row kernel (unless the grid path is chosen): short rows in shared memory (L <= cap),
   sampled path (L > cap), exact fallback (sample proposal fails, or take too large);
   grid path (rows <= 64 and n >= 65536 where its cost estimate is lower: long rows, or a
   budget too large for the per-row sampled path): sampled + candidate buffer, or fallback.

@@ -1002,14 +1002,17 @@ __global__ void __launch_bounds__(kBlock) g_output(Params P) {
 }
 
 // ---- host side ---------------------------------------------------------------------------
-// The per-row kernel's candidate buffer (entries) for budget K, and whether 16-bit scores
-// take its 256-thread build (four CTAs an SM; a buffer of at most kQuarterCap).
+// The per-row kernel's candidate buffer (entries) for budget K, and whether it runs as the
+// 256-thread build (four CTAs an SM; a buffer of at most kQuarterCap): topk on 16-bit scores
+// (the only instantiations of that build) whose sampled path fits that buffer.
 int64_t row_cap(bool mask, int64_t K) {
   const int64_t cap = mask ? 8192 : ((4 * K + 255) / 256) * 256;
   return std::max<int64_t>(2048, std::min<int64_t>(cap, 24576));
 }
 template <typename T, bool kMask>
-bool quarter_build(int64_t K) { return !kMask && sizeof(T) == 2 && sample_fits(K, kQuarterCap); }
+constexpr bool kHasQuarterBuild = !kMask && sizeof(T) == 2;
+template <typename T, bool kMask>
+bool quarter_build(int64_t K) { return kHasQuarterBuild<T, kMask> && sample_fits(K, kQuarterCap); }
 
 // Few long rows (rows <= 64, n >= 2^16): the grid path or the per-row kernel, whichever a
 // cost estimate from the H200's measurements puts lower (experiments_session28 runs 6-7: the
@@ -1089,7 +1092,7 @@ void launch(Params P, int64_t rows, const at::Tensor& x) {
   // share of its time, and four CTAs an SM overlap them with streaming better than two.
   // Measured (experiments_session27 run 6): -10 to -13.5 % at N = 128K (fp16 and bf16),
   // -5 to -7 % at 256K, -1.4 % at 512K; fp32 rows measured slower so (run 2).
-  if constexpr (!kMask && sizeof(T) == 2) {
+  if constexpr (kHasQuarterBuild<T, kMask>) {
     if (quarter_build<T, kMask>(P.K)) {
       launch_rows(row_select_kernel<T, kMask, kBlock / 2>, kBlock / 2, std::min(cap, kQuarterCap));
       return;
