@@ -7,7 +7,7 @@ csrc/forward/threshold_cpu.cpp is set from this.
 import torch
 
 import fastlapsum
-from fastlapsum.timing import median_ms
+from timing import median_ms
 
 torch.manual_seed(0)
 print(f"threads {torch.get_num_threads()}")

@@ -26,7 +26,7 @@ import math
 import torch
 
 import fastlapsum
-from fastlapsum.timing import copy_bandwidth_gbps, graph_median_ms, median_ms
+from timing import copy_bandwidth_gbps, graph_median_ms, median_ms
 
 KB = 1024
 MATRIX_M = [512, 1024, 2048, 4096, 8192]

@@ -22,7 +22,7 @@ import torch
 
 import fastlapsum
 from fastlapsum import reference
-from fastlapsum.timing import copy_bandwidth_gbps, graph_median_ms, median_ms
+from timing import copy_bandwidth_gbps, graph_median_ms, median_ms
 
 FWD_PASSES, BWD_PASSES = 3, 4
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Everything the GPU machine is for, in one call: build for the H200, run the test suite
-# (slow tests too), the demo, the benchmarks and the examples on CUDA. Logs, JSON and
-# plots go to $OUT, packed into $OUT/gpu_check.tgz (the device tool brings back only a
-# few files) next to summary.txt.
+# A GPU machine's whole check in one call: build (sm_90 unless TORCH_CUDA_ARCH_LIST says
+# otherwise), run the test suite (slow tests too), the demo, the benchmarks and, on request,
+# profiles and the examples on CUDA. Logs, JSON and plots go to $OUT, packed into
+# $OUT/gpu_check.tgz next to summary.txt. The files in benchmarks/results/ come from its
+# steps test, bench, bench_hard and timeline.
 #   device run:  bash benchmarks/gpu_check.sh     (STEPS="build test demo bench bench_hard")
 # Knobs: STEPS (also profile, timeline, profile_topk, ncu, ncu_hard, ncu_source, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
 # NCU_KERNELS, NCU_SIZES, NCU_HARD_SHAPE, NCU_HARD_K, NCU_METRICS, NCU_EXTRA (e.g. --section SourceCounters),

@@ -1,4 +1,4 @@
-"""Pure-PyTorch float64 oracle for the LapSum operator (DESIGN.md §1).
+"""Pure-PyTorch float64 oracle for the LapSum operator (docs/DESIGN.md §1).
 
 The tests compare the C++/CUDA kernels against these functions; benchmarks use them as
 the "pure-PyTorch sort solver" baseline, and `bisection_threshold` as the original

@@ -1,4 +1,4 @@
-// LapSum math shared by the CPU and CUDA paths (DESIGN.md §1).
+// LapSum math shared by the CPU and CUDA paths (docs/DESIGN.md §1).
 //
 // Everything here is a pure function of scalars, compiled for host and device:
 // the Laplace CDF / density, the closed-form root on one interval of the budget

@@ -30,8 +30,7 @@ constexpr int kSortedThreads = 512;
 constexpr int kWarps = kSortedThreads / 32;
 static_assert(kSortedThreads % 32 == 0 && kWarps <= 32, "block reductions read one value per warp in a lane");
 // Radix digit width: 5 bits (cub's default is 4) sorts a middle set's ~20 varying bits in 4
-// passes instead of 5 (H200: 2e6 rows ~3.5 us faster, 1e6 ~1.5 us, 1e5 and 16 x 4096 within
-// the spread); 6 bits do not fit 48 KB of static shared memory at 512 threads.
+// passes instead of 5; 6 bits do not fit 48 KB of static shared memory at 512 threads.
 constexpr int kSortRadixBits = 5;
 constexpr unsigned kFullMask = 0xffffffffu;
 
@@ -203,10 +202,10 @@ __device__ __forceinline__ Census<Key> take_census(CensusStorage<Key>& st, int n
 // Bucket sort by value. The sets the solver sorts are mostly spread evenly over their range
 // (a middle set around the root, the bulk of a row), so one pass into about a bucket per key
 // (by value, so monotone), then each key's rank inside its few-key bucket by counting,
-// replaces the radix sort's passes (each ~1.7-3.5K cycles at 512 threads; on the H200 the
-// radix sort took 6.8 us of 1000 scores' ~10 us solve, 9.7 us of 4096's, 7 us of a 1e6 row's
-// ~3K-score middle set). A bucket of more than kMaxBucket keys (ties, clusters, outliers that
-// squeeze the bulk into a few buckets) or infinities send the keys to the radix sort instead.
+// replaces the radix sort's passes (each ~1.7-3.5K cycles at 512 threads: the radix sort is
+// most of a short row's or a middle set's on-chip solve). A bucket of more than kMaxBucket
+// keys (ties, clusters, outliers that squeeze the bulk into a few buckets) or infinities send
+// the keys to the radix sort instead.
 constexpr int kMaxBucket = 32;
 
 template <typename Key, int kItems>

@@ -53,15 +53,15 @@ constexpr int kBins = 2048;
 constexpr int kDigitBits = 11;
 constexpr int kLevelThreads = 512;
 // 16-byte vectors per thread per tile of the row pass, their loads issued together and kept
-// raw until used (4 converted to fp64 up front took 126 registers: one block per SM).
+// raw until used (converted to fp64 up front they would take ~126 registers: one block per SM).
 constexpr int kLevelUnroll = 4;
-constexpr int kScanThreads = 256;  // 512 (4 bins per thread) measured no faster on the H200
+constexpr int kScanThreads = 256;  // 512 (4 bins per thread) is no faster
 constexpr int kScanBins = kBins / kScanThreads;  // consecutive bins per scan thread
 constexpr int kProposeThreads = 256;
 constexpr int kSampleKeys = 8;  // sample keys per propose thread, kept in registers
-// Propose stops at a bucket with at most this many sample keys. 8 (was 2): the third digit's
-// round trip (~4 us at 1e6, where 2 often sent it there) saved for a few more middle scores
-// (a bucket of two digits holds ~15 scores of a Gaussian 1e6 row at k = n/16).
+// Propose stops at a bucket with at most this many sample keys: a smaller bound often costs a
+// third digit's round trip (a few us at 1e6) to save a few middle scores (a bucket of two
+// digits holds ~15 scores of a Gaussian 1e6 row at k = n/16).
 constexpr unsigned kStopKeys = 8;
 constexpr int64_t kFirstHistWords = kBins + 32;  // per row: the first digit's counts, the barrier counter
 constexpr int kSolveThreads = 256;
@@ -318,11 +318,10 @@ __device__ inline void bin_add(unsigned* count, double* U, double* L, int bin, d
 // those kernels read the row's status before the wait as well: a status only moves forward
 // (refine -> solve -> done), so a settled status read early is final, and the block exits as
 // soon as the wait returns instead of after one more round trip to L2. Only where the sorted
-// middle kernel is not launched (`preread`): there it saved 3-5 us at 4e6 and 1e7 (fp32), but
-// after the sorted kernel (rows up to 2^21) it measured 1-2 us slower, for reasons not found.
-// (Exiting before the wait measured ~9 us slower at 1e5 .. 2^21: the next kernel's blocks are
-// then only launched when these exit; it would also break completion's transitivity through
-// the waits. experiments_session24.)
+// middle kernel is not launched (`preread`): it pays for rows beyond 2^21, but after the
+// sorted kernel it costs more than it saves. (Exiting before the wait is slower: the next
+// kernel's blocks are then only launched when these exit; it would also break completion's
+// transitivity through the waits.)
 // What this rests on, for whoever changes these kernels:
 // - no write moves a status back (solve or done -> refine, done -> anything);
 // - each kernel does nothing for a row that its predicate below calls settled (the check after
@@ -726,7 +725,7 @@ level_kernel(const scalar_t* __restrict__ x, RowState* __restrict__ state, doubl
     // Classifies one (signed) score; true when it lies in the key range.
     // aggregate_tag: a whole row's binning pass (the fallback's levels) adds a warp's ties to
     // a bin together, else they spin on one bin's CAS loop; a middle-set pass does not (few
-    // scores per block, and the warp match measured ~1 us more per such level at 1e6).
+    // scores per block, where the warp match costs more than it saves).
     const auto consider = [&](double s, auto aggregate_tag) -> bool {
       // Most scores lie outside the range: decided by value, without computing a key. The
       // strict comparisons agree with the keys' (keys are monotone and each range end's

@@ -1,5 +1,6 @@
 // fastlapsum.topk and the straight-through hard mask on CUDA: exact sample-guided
-// radix selection (DESIGN §2, seeds/hpc-ops-sample-guided-exact-topk.txt §4-5).
+// radix selection (docs/DESIGN.md §2; the selector of "Sample-Guided Exact Top-K Selection
+// for Long-Context Sparse Attention", HPC-Ops Top-K, §4-5).
 //
 // Order: every score gets a 32-bit order-preserving key (float_key of its fp32 image,
 // complemented for largest=false; NaN ranks above +inf), and every element the unique
@@ -86,9 +87,8 @@
 namespace fastlapsum {
 namespace {
 
-// 256-thread row CTAs (4 per SM, a 5888-entry candidate buffer) measured no faster on the
-// H200 (N = 128K, M = 512: 0.163 vs 0.166 ms): the row pass was bound by ALU-pipe issue
-// (a key per score), not by a CTA's fixed work; one fp32 compare per score fixed that.
+// 512-thread row CTAs, two an SM: for fp32 rows the row pass streams best so; 16-bit rows
+// (half the bytes, so a CTA's fixed phases weigh more) run a 256-thread build, four an SM.
 constexpr int kBlock = 512;
 constexpr int kBins = 2048;
 constexpr int kUnroll = 2;     // grid kernels with staged compaction (tile <= kStageItems)
@@ -451,10 +451,9 @@ __global__ void __launch_bounds__(kT, 1024 / kT) row_select_kernel(Params P) {
   // The sample's first kT * kSampleUnroll scores for the usual budget (take = K < L: the
   // sample's stride and offset follow from K and r alone), loaded before the row's length is
   // known, so that the two round trips overlap; the sampled path cuts them to the length.
-  // Only those a row of n scores samples (a shorter row samples a prefix of them). Measured:
-  // -4 % where the sample takes more rounds of loads (K = 512 at 256K), within 1 % elsewhere;
-  // 4-byte scores only, as fp16 rows of 128K measured 1.7 % slower with it, for reasons not
-  // found (experiments_session26 runs 3-4).
+  // Only those a row of n scores samples (a shorter row samples a prefix of them). It pays
+  // where the sample takes several rounds of loads (small K on long rows); 4-byte scores
+  // only, as 16-bit rows came out slower with it.
   constexpr bool kSpec = !kMask && sizeof(T) == 4;
   const int64_t k_s = row_sample_stride(P.K), k_off = sample_offset(r, k_s);  // K's sample
   float spec[kSampleUnroll];
@@ -815,8 +814,8 @@ struct StageShared {
 
 // A slot in the stage for the calling thread: one shared atomic per group of converged
 // lanes of a warp, not one per item (at k = n/16 a tile stages hundreds of items).
-// (Aggregating the histogram atomics per bin the same way, with labeled_partition,
-// measured slower on the H200: g_collect 393 -> 464 us under ncu.)
+// (The histogram atomics stay per lane: aggregating them per bin with labeled_partition
+// costs the collect pass more than it saves.)
 __device__ __forceinline__ uint32_t stage_slot(StageShared& ss) {
   const cooperative_groups::coalesced_group g = cooperative_groups::coalesced_threads();
   uint32_t first = 0;
@@ -1015,13 +1014,12 @@ template <typename T, bool kMask>
 bool quarter_build(int64_t K) { return kHasQuarterBuild<T, kMask> && sample_fits(K, kQuarterCap); }
 
 // Few long rows (rows <= 64, n >= 2^16): the grid path or the per-row kernel, whichever a
-// cost estimate from the H200's measurements puts lower (experiments_session28 runs 6-7: the
-// faster path on 28 of 29 shapes of 1-64 rows x 64K-1M scores, fp32 and fp16; the one miss
-// a near tie). The grid path: ~35 us of launches plus ~625K scores a microsecond. The
-// per-row kernel: ~17 us plus one CTA streaming its row at the rate its loads in flight
-// allow (~0.8 us a round trip; its few CTAs leave DRAM idle, so each streams at that rate).
+// cost estimate fitted to H200 timings of 1-64 rows x 64K-1M scores (fp32 and fp16) puts
+// lower. The grid path: ~35 us of launches plus ~625K scores a microsecond. The per-row
+// kernel: ~17 us plus one CTA streaming its row at the rate its loads in flight allow
+// (~0.8 us a round trip; its few CTAs leave DRAM idle, so each streams at that rate).
 // A budget too large for the per-row kernel's sampled path (it would stream the row up to
-// seven times) keeps the grid path; so does hard_mask (not measured here).
+// seven times) keeps the grid path; so does hard_mask (whose estimate is not fitted).
 template <typename T, bool kMask>
 bool use_grid_path(int64_t rows, int64_t n, int64_t K) {
   if (rows > kGridMaxRows || n < kGridMinN) return false;
@@ -1089,9 +1087,8 @@ void launch(Params P, int64_t rows, const at::Tensor& x) {
   // 16-bit scores: 256-thread CTAs, four an SM (a candidate buffer of at most kQuarterCap, so
   // that four fit), where the sampled path still fits that buffer. A 16-bit row is half the
   // bytes of an fp32 one, so its fixed phases (length, sample, select, output) are a larger
-  // share of its time, and four CTAs an SM overlap them with streaming better than two.
-  // Measured (experiments_session27 run 6): -10 to -13.5 % at N = 128K (fp16 and bf16),
-  // -5 to -7 % at 256K, -1.4 % at 512K; fp32 rows measured slower so (run 2).
+  // share of its time, and four CTAs an SM overlap them with streaming better than two
+  // (most at N = 128K, little by 512K); fp32 rows are slower so.
   if constexpr (kHasQuarterBuild<T, kMask>) {
     if (quarter_build<T, kMask>(P.K)) {
       launch_rows(row_select_kernel<T, kMask, kBlock / 2>, kBlock / 2, std::min(cap, kQuarterCap));

@@ -1,5 +1,9 @@
-"""Median wall time of a callable, with CUDA events on the GPU (used by the demo and
-benchmarks; timings are meaningful only as ratios within one run)."""
+"""Timing helpers of the benchmarks, the demo and the CUDA-graph tests: median wall time of a
+callable (CUDA events on the GPU), CUDA-graph capture and replay, and the device's copy
+bandwidth for byte floors. Times are meaningful only as ratios within one run.
+
+Not part of the installed package: scripts in benchmarks/ import it as `timing` (their
+folder is on sys.path); examples/demo.py and the CUDA tests put benchmarks/ on sys.path."""
 from __future__ import annotations
 
 import statistics
