@@ -7,7 +7,8 @@ Cases (fp32 Gaussian scores):
            fastlapsum with and without `lengths` (torch.topk sees the -inf suffix);
   trace    a framework-like sequence of calls whose M shrinks as N grows (with lengths);
   single   one row of n = 1e6 ... 1e9 scores, k = n / 16 (up to --max-n);
-  k-sweep  K in {512, 2048, 8192} on M = 2048, N = 256K causal rows.
+  k-sweep  K in {512, 2048, 8192} on M = 2048, N = 256K causal rows;
+  router   many short rows with a small k (MoE routers: 65536 x 256, k = 8; 16384 x 64, k = 2).
 ours_ms is the median over CUDA-graph replays (device time); ours_eager_ms and
 torch_topk_ms are eager CUDA-event medians. Every output is checked outside the timed region: sorted values must equal
 torch.topk's exactly, the unsorted result must hold the same value multiset, and the
@@ -32,6 +33,7 @@ KB = 1024
 MATRIX_M = [512, 1024, 2048, 4096, 8192]
 MATRIX_N = [128 * KB, 256 * KB, 512 * KB, 1024 * KB]
 TRACE = [(8192, 128 * KB), (4096, 256 * KB), (2048, 512 * KB), (1024, 1024 * KB), (512, 1024 * KB)]
+ROUTER = [(65536, 256, 8), (16384, 64, 2)]  # (M, N, K)
 
 
 class Failure(AssertionError):
@@ -139,6 +141,10 @@ def run(args):
         record("k-sweep", x, k, lengths)
     del buf, x
     torch.cuda.empty_cache()
+
+    # ---- many short rows, small k ----
+    for M, N, k in ROUTER:
+        record("router", torch.randn(M, N, device=dev, generator=gen), k, None)
 
     # ---- single huge rows, k = n / 16 ----
     n = int(1e6)

@@ -1,7 +1,8 @@
 """Soft top-k benchmark: fastlapsum against the PyTorch baselines in the same run.
 
 Rows: forward and forward+backward of fastlapsum.soft_topk (fp32, k = n/16, t = 1,
-Gaussian scores, batch 1 for n = 1e3..1e9 and a 16 x 4096 batch) next to (a) the
+Gaussian scores, batch 1 for n = 1e3..1e9 and a 16 x 4096 batch; on CUDA also many short
+rows with a small k, as in MoE routers: 65536 x 256, k = 8 and 16384 x 64, k = 2) next to (a) the
 pure-PyTorch float64 sort solver (fastlapsum.reference), (b) the 60-step bisection of the
 original LapSum, (c) torch.topk at the same k, (d) the byte floor: bytes that must move
 (forward: two reads and one write of the row; backward: three reads and one write more)
@@ -25,6 +26,7 @@ from fastlapsum import reference
 from timing import copy_bandwidth_gbps, graph_median_ms, median_ms
 
 FWD_PASSES, BWD_PASSES = 3, 4
+ROUTER = [(65536, 256, 8), (16384, 64, 2)]  # (rows, n, k): MoE-router shapes
 
 
 def adversarial_rows(n: int, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
@@ -50,9 +52,9 @@ def run(args):
     print(f"device {dev} | copy bandwidth {bw:.0f} GB/s | torch {torch.__version__}")
     rows = []
 
-    def bench(n: int, batch: int):
+    def bench(n: int, batch: int, k: float | None = None):
         x = torch.randn(batch, n, generator=gen, device=dev)
-        k, t = n / 16, 1.0
+        k, t = (n / 16 if k is None else k), 1.0
         kk = torch.full((batch,), k, dtype=torch.float64, device=dev)
         tt = torch.full((batch,), t, dtype=torch.float64, device=dev)
         reps = 3 if n * batch >= 1e8 else 10
@@ -88,19 +90,22 @@ def run(args):
         middle = int(info.middle_size.flatten()[0])
         for op, ours, floor in (("forward", fwd, floor_fwd),
                                 ("forward_backward", fb, floor_fwd * (FWD_PASSES + BWD_PASSES) / FWD_PASSES)):
-            rows.append(dict(op=op, n=n, batch=batch, ours_ms=ours, floor_ms=floor, reference_sort_ms=ref,
+            rows.append(dict(op=op, n=n, batch=batch, k=k, ours_ms=ours, floor_ms=floor, reference_sort_ms=ref,
                              bisection_ms=bis, torch_topk_ms=topk, budget_error=err,
                              ours_graph_ms=fwd_graph if op == "forward" else fb_graph, path=path,
                              middle_size=middle))
         graph = "" if fwd_graph is None else f" (graph {fwd_graph:7.3f})"
         fb_graph_s = "" if fb_graph is None else f" (graph {fb_graph:7.3f})"
-        print(f"n={n:>11,} batch={batch:>3} fwd {fwd:9.3f} ms{graph}  fwd+bwd {fb:9.3f} ms{fb_graph_s}  floor {floor_fwd:8.4f} ms  "
+        print(f"n={n:>11,} batch={batch:>5} k={k:>10,g} fwd {fwd:9.3f} ms{graph}  fwd+bwd {fb:9.3f} ms{fb_graph_s}  floor {floor_fwd:8.4f} ms  "
               f"topk {topk:8.3f} ms  sort-ref {ref if ref is None else round(ref, 3)}  "
               f"bisect {bis if bis is None else round(bis, 2)}  budget err {err:.1e}  {path} middle {middle:,}")
 
     for nf in args.sizes:
         bench(int(nf), 1)
     bench(4096, 16)
+    if dev.type == "cuda":
+        for batch, n, k in ROUTER:
+            bench(n, batch, k)
 
     paths = []
     n = int(args.adversarial_n)
