@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -28,16 +29,42 @@ class LapSumInfo(NamedTuple):
     attempts: torch.Tensor  # bracket attempts (0 for the sort solver)
 
 
-def _check_x(x: torch.Tensor, dim: int, what: str) -> int:
+def _as_int(v, name: str, what: str) -> int:
+    """An integer argument as torch takes one: a Python or NumPy integer, or an integer
+    tensor of one element; never a bool (True is not dim 1) or a float."""
+    if isinstance(v, torch.Tensor):
+        if v.dtype == torch.bool or v.is_floating_point() or v.is_complex() or v.numel() != 1:
+            raise TypeError(f"{what}: {name} must be an int, got a {v.dtype} tensor of shape {tuple(v.shape)}")
+        return int(v.item())
+    if isinstance(v, bool):
+        raise TypeError(f"{what}: {name} must be an int, not a bool")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise TypeError(f"{what}: {name} must be an int, got {type(v).__name__}") from None
+
+
+def _check_tensor(x, what: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: x must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _check_dim(x: torch.Tensor, dim, what: str) -> int:
+    """dim as an int in [0, x.dim()); a 0-d x takes dim 0 or -1, as in torch."""
+    d = _as_int(dim, "dim", what)
+    nd = max(x.dim(), 1)
+    if not -nd <= d < nd:
+        raise IndexError(f"{what}: dim {d} out of range for a {x.dim()}-d tensor")
+    return d % nd
+
+
+def _check_x(x: torch.Tensor, dim, what: str) -> int:
+    _check_tensor(x, what)
     if not x.is_floating_point():
         raise TypeError(f"{what}: x must be float16, bfloat16, float32 or float64, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError(f"{what}: x must have at least one dimension to select along")
-    if not -x.dim() <= dim < x.dim():
-        raise IndexError(f"{what}: dim {dim} out of range for a {x.dim()}-d tensor")
-    n = x.shape[dim]
+    n = x.shape[_check_dim(x, dim, what)]
     if n == 0:
         raise ValueError(f"{what}: the selection dimension is empty")
     return n
@@ -159,37 +186,112 @@ def lapsum_diagnostics(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *,
     return LapSumInfo(b.reshape(batch), d[..., 0], d[..., 1], d[..., 2])
 
 
-def topk(x: torch.Tensor, k: int, *, dim: int = -1, largest: bool = True, sorted: bool = False,
-         lengths: Optional[torch.Tensor] = None):
-    """Exact hard top-k along `dim` -> (values, indices).
+# torch.topk's dtypes, plus bool. CUDA's selector takes floating rows; integer rows of
+# 16 bits or less are exact in float32 and use it, wider ones a stable sort (see topk).
+_TOPK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
+                torch.int16, torch.int32, torch.int64, torch.bool)
+_EXACT_IN_FP32 = (torch.bool, torch.uint8, torch.int8, torch.int16)
 
-    `lengths` (integer tensor shaped like x without `dim`) gives each row's valid prefix;
-    rows with length <= k return their valid indices then -1 (values -inf, or +inf for
-    largest=False). Order is unspecified unless sorted=True. NaN ranks above +inf; among
-    tied scores the smaller index wins. values are differentiable.
+
+def topk(x: torch.Tensor, k: int, *, dim: int = -1, largest: bool = True, sorted: bool = False,
+         lengths: Optional[torch.Tensor] = None) -> torch.return_types.topk:
+    """Exact hard top-k along `dim` -> torch.return_types.topk (values, indices).
+
+    Takes what torch.topk takes (float16/bfloat16/float32/float64 and integer x, also
+    bool; 0-d x; k an int or a one-element integer tensor) and gives the same values.
+    Differences: order is unspecified unless sorted=True (torch sorts by default); among
+    tied scores the smaller index wins; `lengths` (integer tensor shaped like x without
+    `dim`) gives each row's valid prefix, and rows with length <= k return their valid
+    indices then -1 (values -inf, or +inf for largest=False; for integer x the dtype's
+    lowest or highest value, for bool False or True). NaN ranks above +inf, as in
+    torch.topk. values are differentiable.
     """
-    n = _check_x(x, dim, "topk")
-    if not isinstance(k, numbers.Integral) or isinstance(k, bool):
-        raise TypeError(f"topk: k must be an int, got {type(k).__name__}")
+    what = "topk"
+    _check_tensor(x, what)
+    if x.dtype not in _TOPK_DTYPES:
+        raise TypeError(f"{what}: x must be a floating-point, integer (uint8 to int64) or bool tensor, "
+                        f"got {x.dtype}")
+    d = _check_dim(x, dim, what)
+    k = _as_int(k, "k", what)
+    for name, v in (("largest", largest), ("sorted", sorted)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{what}: {name} must be a bool, got {type(v).__name__}")
+    n = x.shape[d] if x.dim() else 1
     if not 0 <= k <= n:
-        raise ValueError(f"topk: k must be in [0, n] = [0, {n}], got {k}")
-    rows_x, batch = _as_rows(x, dim)
-    rows = rows_x.shape[0]
-    len_rows = None
-    if lengths is not None:
-        if not isinstance(lengths, torch.Tensor):
-            raise TypeError("topk: lengths must be an integer tensor")
-        if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
-            raise TypeError(f"topk: lengths must be an integer tensor, got {lengths.dtype}")
-        if lengths.device != x.device:
-            raise ValueError(f"topk: lengths is on {lengths.device} but x is on {x.device}")
-        try:
-            len_rows = lengths.to(torch.int64).broadcast_to(batch).reshape(rows)
-        except RuntimeError as e:
-            raise ValueError(f"topk: lengths of shape {tuple(lengths.shape)} does not broadcast to "
-                             f"{tuple(batch)} (x without dim)") from e
-        if lengths.device.type == "cpu" and _checking_values() and rows > 0:
-            if not bool(((len_rows >= 0) & (len_rows <= n)).all()):
-                raise ValueError(f"topk: lengths must lie in [0, n] = [0, {n}]")
-    values, indices = ops.topk(rows_x, k, largest, sorted, len_rows)
-    return _from_rows(values, batch, dim), _from_rows(indices, batch, dim)
+        raise ValueError(f"{what}: k must be in [0, n] = [0, {n}], got {k}")
+    if x.dim() == 0:  # as torch.topk: the element itself (also for k = 0), 0-d
+        v, i = topk(x.reshape(1), 1, largest=largest, sorted=sorted, lengths=lengths)
+        return torch.return_types.topk((v.reshape(()), i.reshape(())))
+    batch = x.shape[:d] + x.shape[d + 1:]
+    len_rows = _topk_lengths(lengths, x, batch, n)
+    if n == 0:  # k == 0: nothing to select
+        values = x.narrow(d, 0, 0).clone()
+        return torch.return_types.topk((values, torch.empty(values.shape, dtype=torch.int64, device=x.device)))
+    rows_x, _ = _as_rows(x, d)
+    values, indices = _select_rows(rows_x, k, largest, sorted, len_rows)
+    return torch.return_types.topk((_from_rows(values, batch, d), _from_rows(indices, batch, d)))
+
+
+def _topk_lengths(lengths, x: torch.Tensor, batch, n: int) -> Optional[torch.Tensor]:
+    """lengths -> int64 [rows], checked (values only on the CPU, outside a compiled graph)."""
+    if lengths is None:
+        return None
+    if not isinstance(lengths, torch.Tensor):
+        raise TypeError("topk: lengths must be an integer tensor")
+    if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
+        raise TypeError(f"topk: lengths must be an integer tensor, got {lengths.dtype}")
+    if lengths.device != x.device:
+        raise ValueError(f"topk: lengths is on {lengths.device} but x is on {x.device}")
+    rows = math.prod(batch)
+    try:
+        len_rows = lengths.to(torch.int64).broadcast_to(batch).reshape(rows)
+    except RuntimeError as e:
+        raise ValueError(f"topk: lengths of shape {tuple(lengths.shape)} does not broadcast to "
+                         f"{tuple(batch)} (x without dim)") from e
+    if lengths.device.type == "cpu" and _checking_values() and rows > 0:
+        if not bool(((len_rows >= 0) & (len_rows <= n)).all()):
+            raise ValueError(f"topk: lengths must lie in [0, n] = [0, {n}]")
+    return len_rows
+
+
+def _select_rows(rows_x: torch.Tensor, k: int, largest: bool, sorted: bool,
+                 len_rows: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of each row of [rows, n]. The CPU kernel takes every dtype exactly; CUDA's
+    selector takes floating rows, so narrow integer rows go to it as float32 (exact) and
+    int32/int64 rows take a stable sort (O(n log n), torch.sort's cost)."""
+    if rows_x.is_floating_point() or rows_x.device.type != "cuda":
+        return ops.topk(rows_x, k, largest, sorted, len_rows)
+    if rows_x.dtype in _EXACT_IN_FP32:
+        indices = ops.topk(rows_x.float(), k, largest, sorted, len_rows)[1]
+    else:
+        indices = _topk_indices_by_sort(rows_x, k, largest, len_rows)
+    return _gather_padded(rows_x, indices, largest), indices
+
+
+def _worst_int(dtype: torch.dtype, largest: bool) -> Union[int, bool]:
+    """The padding value of an integer or bool row: its worst score in the requested order."""
+    if dtype == torch.bool:
+        return not largest
+    info = torch.iinfo(dtype)
+    return info.min if largest else info.max
+
+
+def _topk_indices_by_sort(rows_x: torch.Tensor, k: int, largest: bool,
+                          len_rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """Exact top-k indices of integer rows by a stable sort: among equal scores the smaller
+    index comes first. Positions past a row's length get the worst key; being the last
+    positions, the stable sort keeps them behind every valid score, which they then pad."""
+    key = rows_x.to(torch.int64)
+    if len_rows is not None:
+        invalid = torch.arange(key.shape[1], device=key.device) >= len_rows.unsqueeze(1)
+        key = key.masked_fill(invalid, _worst_int(torch.int64, largest))
+    indices = key.sort(dim=1, descending=largest, stable=True).indices[:, :k]
+    if len_rows is not None:
+        indices = indices.masked_fill(torch.arange(k, device=key.device) >= len_rows.unsqueeze(1), -1)
+    return indices.contiguous()
+
+
+def _gather_padded(rows_x: torch.Tensor, indices: torch.Tensor, largest: bool) -> torch.Tensor:
+    """Values of integer rows at indices, with the padding value where the index is -1."""
+    values = rows_x.gather(1, indices.clamp(min=0))
+    return values.masked_fill(indices < 0, _worst_int(rows_x.dtype, largest))

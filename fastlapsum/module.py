@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .functional import Budget, soft_topk
+from .functional import Budget, _as_int, soft_topk
 
 
 class SoftTopK(nn.Module):
@@ -17,11 +17,11 @@ class SoftTopK(nn.Module):
     """
 
     def __init__(self, k: Budget, temperature: Budget = 1.0, *, dim: int = -1, hard: bool = False,
-                 largest: bool = True, method: str = "auto"):
+                 largest: bool = True, method: str = "auto") -> None:
         super().__init__()
         self.k = k
         self.temperature = temperature
-        self.dim = dim
+        self.dim = _as_int(dim, "dim", "SoftTopK")
         self.hard = hard
         self.largest = largest
         self.method = method

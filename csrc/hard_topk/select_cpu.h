@@ -2,10 +2,12 @@
 // the straight-through hard mask. Expected O(n) (nth_element) on order-preserving
 // keys with the index as tie-break, so the answer is deterministic: among tied
 // scores the smaller index wins, and NaN ranks above +inf as in torch.topk.
+// Integer and bool rows get exact keys of their own (int64 is not exact in a double).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -13,13 +15,22 @@
 
 namespace fastlapsum {
 
+// a < b iff order_key(a) < order_key(b); integers: two's complement with the sign bit flipped.
+template <typename scalar_t>
+uint64_t order_key(scalar_t v) {
+  if constexpr (std::is_integral_v<scalar_t>)
+    return static_cast<uint64_t>(static_cast<int64_t>(v)) ^ (uint64_t{1} << 63);
+  else
+    return double_key(static_cast<double>(v));
+}
+
 template <typename scalar_t>
 void select_top_indices(const scalar_t* row, int64_t n, int64_t k, bool largest, bool sorted,
                         int64_t* out) {
   using Entry = std::pair<uint64_t, int64_t>;
   std::vector<Entry> e(n);
   for (int64_t i = 0; i < n; ++i) {
-    const uint64_t key = double_key(static_cast<double>(row[i]));
+    const uint64_t key = order_key(row[i]);
     e[i] = Entry{largest ? key : ~key, i};
   }
   const auto better = [](const Entry& a, const Entry& b) {

@@ -1,16 +1,33 @@
 // fastlapsum.topk on the CPU: exact top-k per row over the valid prefix, -1 padding.
+// Floating, integer and bool rows; padding values are -inf / +inf, or the dtype's
+// lowest / highest value for integers (false / true for bool).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/types.h>
 
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "../ops.h"
 #include "select_cpu.h"
 
 namespace fastlapsum {
+namespace {
+
+// Padding past a row's valid length: the worst possible score in the requested order.
+template <typename scalar_t>
+scalar_t worst_score(bool largest) {
+  using lim = std::numeric_limits<scalar_t>;
+  if constexpr (std::is_integral_v<scalar_t>)
+    return largest ? lim::lowest() : lim::max();
+  else
+    return static_cast<scalar_t>(largest ? -std::numeric_limits<double>::infinity()
+                                         : std::numeric_limits<double>::infinity());
+}
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> topk_cpu(const at::Tensor& x_in, int64_t k, bool largest,
                                             bool sorted, const std::optional<at::Tensor>& lengths) {
@@ -28,13 +45,11 @@ std::tuple<at::Tensor, at::Tensor> topk_cpu(const at::Tensor& x_in, int64_t k, b
   at::Tensor values = at::empty({rows, k}, x.options());
   at::Tensor indices = at::empty({rows, k}, x.options().dtype(at::kLong));
   const int64_t* lp = len.defined() ? len.const_data_ptr<int64_t>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "topk", [&] {
+  AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, x.scalar_type(), "topk", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     scalar_t* vp = values.mutable_data_ptr<scalar_t>();
     int64_t* ip = indices.mutable_data_ptr<int64_t>();
-    // Padding value: the worst possible score in the requested order.
-    const scalar_t pad = static_cast<scalar_t>(largest ? -std::numeric_limits<double>::infinity()
-                                                       : std::numeric_limits<double>::infinity());
+    const scalar_t pad = worst_score<scalar_t>(largest);
     at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t valid = lp ? lp[r] : n;
