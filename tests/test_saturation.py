@@ -122,10 +122,12 @@ def _problem(case, dtype):
     return x, k, tt, up
 
 
-def _truth(op, x, k, t, up, largest):
+def _truth(op, x, k, t, up, largest, b=None):
+    """The oracle's VJP at the reference threshold (or at b, of the scores' largest side)."""
     sign = 1.0 if largest else -1.0
     s = sign * x.double()
-    b, _ = reference.lapsum_threshold_reference(s, k, t)
+    if b is None:
+        b, _ = reference.lapsum_threshold_reference(s, k, t)
     if op == "threshold":  # b = sign b_s, s = sign x: d b/dx = d b_s/ds
         gs, gk, gt, scale_t, scale_x = threshold_oracle(s, b, t, up.double())
         return gs, sign * gk, sign * gt, scale_t, scale_x, up.double().abs()
@@ -275,3 +277,27 @@ def test_log_mask_saturated_row(device, dtype):
     assert gt.item() == pytest.approx(want[2].item(), rel=1e-6)
     assert gt.item() == pytest.approx(-30236.0, rel=1e-4)
     torch.testing.assert_close(gx.double(), want[0], rtol=1e-6, atol=1e-6 * want[0].abs().max().item())
+
+
+@pytest.mark.parametrize("op", ["soft", "log", "threshold"])
+def test_long_saturated_rows(device, op):
+    """Rows long enough to be reduced in parts (CPU) and blocks (CUDA) whose nearest score
+    lies in a late part, one with every score nearer b than the ones before it (each one
+    rescales the sums so far): the online rescaling across parts and merges. The oracle
+    takes the op's own threshold (the reference's sort is slow on long rows)."""
+    n = 40_000
+    g = _gen(21)
+    near_last = torch.linspace(0.0, 50.0, n, dtype=F64) + torch.rand(n, generator=g, dtype=F64) * 1e-3
+    spread = torch.randn(n, generator=g, dtype=F64) * 3e4
+    x = torch.stack([near_last, spread])
+    k = torch.tensor([1.0, n // 3], dtype=F64)  # b in a gap hundreds of t wide
+    t = torch.tensor([1e-6, 1e-3], dtype=F64)
+    up = torch.randn(2, n, generator=g, dtype=F64) if op != "threshold" else torch.tensor([0.8, -1.7], dtype=F64)
+    for dtype in ([F64, torch.float32] if device == "cpu" else [F64, torch.float32, torch.bfloat16]):
+        xd = x.to(dtype)
+        upd = up if op == "threshold" else up.to(dtype)
+        got = _run(op, xd, k, t, upd, True, device)
+        truth = _truth(op, xd, k, t, upd, True, b=fl.lapsum_threshold(xd, k, t).cpu())
+        db = 32 * torch.finfo(F64).eps * (xd.double().abs().amax(1) + 1)
+        up_rows = up[:, None] if op == "threshold" else upd
+        _assert_close_to_truth(got, truth, up_rows, db, t, dtype, precise=device == "cpu" or dtype == F64)

@@ -27,10 +27,19 @@ struct SumOp {
   }
 };
 
-// e^{-x} in fp32 (one MUFU op), for folding a vector's sums into a thread's: a ratio of
-// sums does not see the rounding of a factor they share.
+// e^{-x} for x >= 0 (+inf: 0) in fp32, one MUFU op (ex2.approx.ftz, ~2 ulp) of an argument
+// prescaled in fp64.
+__device__ __forceinline__ float exp2_neg(double x2) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(-static_cast<float>(x2)));
+  return y;
+}
+constexpr double kLog2e = 1.4426950408889634;
+
+// e^{-x} for folding a vector's sums into a thread's: a ratio of sums does not see the
+// rounding of a factor they share.
 struct ExpNegF32 {
-  __device__ double operator()(double x) const { return static_cast<double>(__expf(-static_cast<float>(x))); }
+  __device__ double operator()(double x) const { return static_cast<double>(exp2_neg(x * kLog2e)); }
 };
 
 // The elements of one fp32/fp16/bf16 row (fp64 rows use vjp_term): the distance d = s - b
@@ -41,18 +50,14 @@ struct ExpNegF32 {
 // no term, as in vjp_term.
 struct VjpTermsF32 {
   float sign;
-  double b, inv_t, l2;  // l2 = log2(e)/t
-  __device__ VjpTermsF32(double sign_d, double b_, double inv_t_)
-      : sign(static_cast<float>(sign_d)), b(b_), inv_t(inv_t_), l2(inv_t_ * 1.4426950408889634) {}
+  double b, l2;  // l2 = log2(e)/t
+  __device__ VjpTermsF32(double sign_d, double b_, double inv_t)
+      : sign(static_cast<float>(sign_d)), b(b_), l2(fmin(inv_t * kLog2e, 1.7976931348623157e308)) {}
   // x: the element as stored (the row's sign not yet applied)
   __device__ __forceinline__ double dist(float x) const { return static_cast<double>(sign * x) - b; }
   __device__ __forceinline__ static double abs_dist(double d) { return is_finite(d) ? fabs(d) : INFINITY; }
-  // e^{-x/t} for a distance x >= 0 (+inf: 0)
-  __device__ __forceinline__ float exp_neg(double x) const {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(-static_cast<float>(x * l2)));
-    return y;
-  }
+  // e^{-x/t} for a distance x >= 0 (+inf: 0; l2 is capped so that x = 0 gives 1)
+  __device__ __forceinline__ float exp_neg(double x) const { return exp2_neg(x * l2); }
 };
 
 // One vector's sums in fp32, relative to its own nearest element (m = its |d|, dref = its d).
