@@ -32,7 +32,8 @@ def vjp_oracle(s, b, t, g, log=False):
     side) at thresholds b, float64, two-pass: the weights relative to the row's largest
     (wh_i = e^{-(|d_i| - m)/t}, m = min |d|), the distances centred on the nearest score's.
     Also returns the scales of grad_t's and grad_s's terms (the sums of their magnitudes),
-    to which the kernels' rounding is relative."""
+    to which the kernels' rounding is relative, and the parts of them from elements whose
+    weight is below 2^-120 of the largest (fp32 weights may drop those: docs/GRADIENTS.md)."""
     s, b, t, g = (v.to(F64) for v in (s, b, t, g))
     tc = t[:, None]
     d = s - b[:, None]
@@ -60,16 +61,20 @@ def vjp_oracle(s, b, t, g, log=False):
     ta = (qa * dev).sum(1)
     tr = (qw * wh * dev).sum(1) / 2
     grad_t = -(ta + _times_exp(tr, -lm)) / t**2
-    scale_t = ((qa * dev).abs().sum(1) + _times_exp((qw * wh * dev).abs().sum(1) / 2, -lm)) / t**2
+    small = wh < 2.0**-120
+    term_t = (qw.abs() + rw.abs()[:, None]) * wh * dev.abs() / 2
+    scale_t = ((qa * dev).abs().sum(1) + _times_exp(term_t.sum(1), -lm)) / t**2
+    small_t = _times_exp((term_t * small).sum(1), -lm) / t**2
     c = _times_exp(1 / t, -lm)[:, None]  # e^{-lm}/t
     grad_s = (qa - wh / 2 * ra[:, None]) / tc + c * wh / 2 * (qw - rw[:, None])
     scale_s = (qa.abs() + wh / 2 * ra.abs()[:, None]) / tc + c * wh / 2 * (qw.abs() + rw.abs()[:, None])
+    small_s = torch.where(small, wh / 2 * ra.abs()[:, None] / tc + c * wh / 2 * (qw.abs() + rw.abs()[:, None]), 0)
     zero = torch.zeros_like(grad_k)
     grad_s = torch.where(has[:, None] & ok, grad_s, torch.zeros_like(grad_s))
     grad_k, grad_t = torch.where(has, grad_k, zero), torch.where(has, grad_t, zero)
     nan = b.isnan()
     return (torch.where(nan[:, None], math.nan, grad_s), torch.where(nan, math.nan, grad_k),
-            torch.where(nan, math.nan, grad_t), scale_t, scale_s)
+            torch.where(nan, math.nan, grad_t), scale_t, scale_s, small_t, small_s)
 
 
 def threshold_oracle(s, b, t, gb):
@@ -82,9 +87,13 @@ def threshold_oracle(s, b, t, gb):
     wh = torch.where(ok, torch.exp(-(a - m[:, None]) / t[:, None]), torch.zeros_like(d))
     S = wh.sum(1)
     dbar = (wh * torch.where(ok, d, 0)).sum(1) / S
-    scale_t = (gb.abs() * (wh * torch.where(ok, d, 0).abs()).sum(1) / S / t)
+    term_t = wh * (torch.where(ok, d, 0) - dbar[:, None]).abs()
+    scale_t = gb.abs() * (wh * torch.where(ok, d, 0).abs()).sum(1) / S / t
+    small = wh < 2.0**-120
+    small_t = gb.abs() * (term_t * small).sum(1) / S / t
     grad_s = gb[:, None] * wh / S[:, None]
-    return grad_s, _times_exp(-gb * t / (S / 2), m / t), -gb * dbar / t, scale_t, torch.zeros_like(grad_s)
+    return (grad_s, _times_exp(-gb * t / (S / 2), m / t), -gb * dbar / t, scale_t, torch.zeros_like(grad_s),
+            small_t, torch.where(small, grad_s.abs(), 0))
 
 
 def saturated_problem(n, t, spread, seed, dtype=F64):
@@ -129,10 +138,10 @@ def _truth(op, x, k, t, up, largest, b=None):
     if b is None:
         b, _ = reference.lapsum_threshold_reference(s, k, t)
     if op == "threshold":  # b = sign b_s, s = sign x: d b/dx = d b_s/ds
-        gs, gk, gt, scale_t, scale_x = threshold_oracle(s, b, t, up.double())
-        return gs, sign * gk, sign * gt, scale_t, scale_x, up.double().abs()
-    gs, gk, gt, scale_t, scale_x = vjp_oracle(s, b, t, up.double(), log=op == "log")
-    return sign * gs, gk, gt, scale_t, scale_x, torch.zeros_like(gt)
+        gs, gk, gt, scale_t, scale_x, small_t, small_x = threshold_oracle(s, b, t, up.double())
+        return gs, sign * gk, sign * gt, scale_t, scale_x, up.double().abs(), small_t, small_x
+    gs, gk, gt, scale_t, scale_x, small_t, small_x = vjp_oracle(s, b, t, up.double(), log=op == "log")
+    return sign * gs, gk, gt, scale_t, scale_x, torch.zeros_like(gt), small_t, small_x
 
 
 def _assert_k_close(got, want, tol, name):
@@ -147,11 +156,13 @@ def _assert_close_to_truth(got, truth, up, db, t, dtype, precise):
     """precise: fp64 weights (CPU, CUDA fp64); else fp32 weights (CUDA fp16/bf16/fp32).
     db: per row, a few ulps of b (the kernels' b and the oracle's may differ by that much):
     they move a weight by db/t relative, and the threshold's d b/dt = -dbar/t by db/t."""
-    gs, gk, gt, scale_t, scale_x, shift_t = truth
+    gs, gk, gt, scale_t, scale_x, shift_t, small_t, small_x = truth
     gmax = up.double().abs().amax(1)
     rel = (1e-9 if precise else 4e-6) + db / t
     _assert_k_close(got[1], gk, rel * (gk.abs().nan_to_num(0, 0, 0) + gmax), "grad_k")
     err_t = (got[2] - gt).abs()
+    if not precise:  # fp32 weights may drop the terms of weights below 2^-120 of the largest
+        err_t = err_t - small_t
     assert (err_t <= rel * (gt.abs() + scale_t) + shift_t * db / t + 1e-300).all(), \
         f"grad_t: {got[2].tolist()} vs {gt.tolist()}"
     # the exact value rounded to x's dtype may overflow it (w = 1/(2t) is 5e5 at t = 1e-6)
@@ -159,7 +170,7 @@ def _assert_close_to_truth(got, truth, up, db, t, dtype, precise):
     assert (got[0][big] == gs.to(dtype)[big]).all(), "grad_x overflow"
     row = gs.masked_fill(big, 0).abs().amax(1, keepdim=True)
     eps = torch.finfo(dtype).eps
-    tol = (8 * eps + rel[:, None]) * (row + scale_x) + torch.finfo(dtype).tiny
+    tol = (8 * eps + rel[:, None]) * (row + scale_x) + torch.finfo(dtype).tiny + (0 if precise else small_x)
     assert ((got[0].double() - gs).abs()[~big] <= tol.expand_as(gs)[~big]).all(), "grad_x"
 
 
@@ -233,7 +244,7 @@ def test_oracle_matches_mpmath(case, op):
     gb = torch.randn(len(k), generator=_gen(100 + case), dtype=F64)
     g = gb if op == "threshold" else up
     b, _ = reference.lapsum_threshold_reference(x, k, t)
-    gs, gk, gt, scale_t, scale_x, _ = _truth(op, x, k, t, g, True)
+    gs, gk, gt, scale_t, scale_x = _truth(op, x, k, t, g, True)[:5]
     for r in range(len(k)):
         ms, mk, mt = _mp_vjp(x[r].tolist(), b[r].item(), t[r].item(), g[r].tolist(), op)
         assert gk[r].item() == pytest.approx(mk, rel=1e-12, abs=1e-300)
@@ -274,9 +285,9 @@ def test_log_mask_saturated_row(device, dtype):
     gx, gk, gt = _run("log", x, k, t, g, True, device)
     want = _truth("log", x.cpu(), k.cpu(), t.cpu(), g.cpu(), True)
     assert gk.item() == -math.inf and want[1].item() == -math.inf
-    assert gt.item() == pytest.approx(want[2].item(), rel=1e-6)
+    assert gt.item() == pytest.approx(want[2].item(), rel=4e-6)
     assert gt.item() == pytest.approx(-30236.0, rel=1e-4)
-    torch.testing.assert_close(gx.double(), want[0], rtol=1e-6, atol=1e-6 * want[0].abs().max().item())
+    torch.testing.assert_close(gx.double(), want[0], rtol=4e-6, atol=4e-6 * want[0].abs().max().item())
 
 
 @pytest.mark.parametrize("op", ["soft", "log", "threshold"])
