@@ -325,27 +325,59 @@ def test_hard_rejects_fractional_k(device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_underflowing_weights_give_zero_gradient(device, dtype):
-    x = torch.stack([torch.arange(6, dtype=F64) * 1e4,  # every weight underflows at t = 1e-3
+def test_saturated_row_gradients(device, dtype):
+    """Every weight e^{-|x - b|/t} underflows (docs/GRADIENTS.md): b = 3.5e4 sits 5e6 t from
+    its two nearest scores. The mask's dL/dk is the mean of g over them, its dL/dx and dL/dt
+    are exactly 0 (e^{-5e6} small); the log mask keeps its absolute terms (log p = u + log 1/2
+    below b) and its dL/dk = sum_{below} g / W overflows to +inf; db/dx is 1/2 at the two
+    nearest scores and db/dk = -1/W = -inf."""
+    x = torch.stack([torch.arange(6, dtype=F64) * 1e4,
                      torch.linspace(-1, 1, 6, dtype=F64)]).to(dtype).to(device)
     k = torch.tensor([2.0, 2.0], dtype=F64, device=device)
     t = torch.tensor([1e-3, 0.5], dtype=F64, device=device)
-    xr, kr, tr = (v.clone().requires_grad_(True) for v in (x, k, t))
-    p = fl.soft_topk(xr, kr, tr)
-    assert p[0].tolist() == [0, 0, 0, 0, 1, 1]
     up = torch.tensor([[1.0, -2.0, 3.0, 0.5, 4.0, -1.0]] * 2, dtype=dtype, device=device)
-    gx, gk, gt = torch.autograd.grad(p, (xr, kr, tr), up)
-    assert (gx[0] == 0).all() and gk[0] == 0 and gt[0] == 0
+
+    def run(fn, g):
+        xr, kr, tr = (v.clone().requires_grad_(True) for v in (x, k, t))
+        out = fn(xr, kr, tr)
+        return out, torch.autograd.grad(out, (xr, kr, tr), g)
+
+    p, (gx, gk, gt) = run(fl.soft_topk, up)
+    assert p[0].tolist() == [0, 0, 0, 0, 1, 1]
+    assert (gx[0] == 0).all() and gt[0] == 0
+    assert gk[0].item() == pytest.approx(2.25, rel=1e-7)  # (g_3 + g_4) / 2
     assert torch.isfinite(gx).all() and torch.isfinite(gk).all() and torch.isfinite(gt).all()
     # the other row of the batch is unaffected
     x1, k1, t1 = (v[1:].clone().requires_grad_(True) for v in (x, k, t))
     g1 = torch.autograd.grad(fl.soft_topk(x1, k1, t1), (x1, k1, t1), up[1:])
     torch.testing.assert_close(gx[1:], g1[0], rtol=0, atol=0)
     assert gx[1].abs().max() > 0
-    # and the threshold gradient is zero too (not NaN / inf)
-    xr2, kr2, tr2 = (v[:1].clone().requires_grad_(True) for v in (x, k, t))
-    gb = torch.autograd.grad(fl.lapsum_threshold(xr2, kr2, tr2).sum(), (xr2, kr2, tr2))
-    assert all(torch.isfinite(v).all() for v in gb)
+
+    _, (gx, gk, gt) = run(fl.log_soft_topk, up)
+    # below b: g_i/t, less the nearest scores' share of sum_{below} g / t = 2500
+    want = torch.tensor([1000.0, -2000.0, 3000.0, 500.0 - 1250.0, -1250.0, 0.0], dtype=F64)
+    torch.testing.assert_close(gx[0].double().cpu(), want, rtol=1e-6, atol=1e-9)
+    assert gk[0].item() == math.inf
+    # -sum_{below} g_i (x_i - b) / t^2, b = 3.5e4 (dbar = 0)
+    assert gt[0].item() == pytest.approx(3.25e10, rel=1e-6)
+
+    _, (gx, gk, gt) = run(fl.lapsum_threshold, torch.tensor([1.0, 1.0], dtype=F64, device=device))
+    torch.testing.assert_close(gx[0].double().cpu(), torch.tensor([0, 0, 0, 0.5, 0.5, 0], dtype=F64),
+                               rtol=1e-6, atol=0)
+    assert gk[0].item() == -math.inf and abs(gt[0].item()) < 1e-3
+
+
+def test_infinite_threshold_rows_have_zero_gradient(device):
+    """b = +inf (k <= the number of +inf scores) or -inf (k = n): the finite scores' mask is
+    constant; the gradients are 0, not NaN (docs/GRADIENTS.md)."""
+    x = torch.tensor([[INF, INF, 0.5, -1.0], [0.2, 1.0, -0.3, 2.0]], dtype=F64, device=device)
+    k = torch.tensor([1.0, 4.0], dtype=F64, device=device)
+    t = torch.tensor([0.5, 0.5], dtype=F64, device=device)
+    up = torch.randn(2, 4, generator=_gen(17), dtype=F64).to(device)
+    for fn in (fl.soft_topk, fl.log_soft_topk):
+        xr, kr, tr = (v.clone().requires_grad_(True) for v in (x, k, t))
+        gx, gk, gt = torch.autograd.grad(fn(xr, kr, tr), (xr, kr, tr), up)
+        assert (gx == 0).all() and (gk == 0).all() and (gt == 0).all()
 
 
 @pytest.mark.parametrize("op", ["soft", "log", "threshold"])

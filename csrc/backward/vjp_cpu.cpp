@@ -1,7 +1,8 @@
 // CPU closed-form VJPs (DESIGN §1.3): of the soft (or log) mask and of the threshold.
 //
 // Both need the same per-row reductions over the weights tw_i = t w_i = e^{-|s_i-b|/t}/2,
-// computed from the saved scores and b (never re-solving), then one elementwise pass.
+// kept relative to the row's largest weight (vjp_math.h), computed from the saved scores
+// and b (never re-solving), then one elementwise pass.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/types.h>
@@ -16,20 +17,21 @@ namespace {
 
 // sums over one row; term(i) is element i's VjpTerm.
 template <typename Term>
-VjpSums row_sums(int64_t n, const Term& term) {
+VjpSums row_sums(int64_t n, double inv_t, const Term& term) {
   VjpSums tot;
   for (const VjpSums& s : over_parts<VjpSums>(n, VjpSums{}, [&](int64_t i0, int64_t i1, VjpSums& acc) {
-         for (int64_t i = i0; i < i1; ++i) acc.add(term(i));
+         for (int64_t i = i0; i < i1; ++i) acc.add(term(i), inv_t);
        }))
-    tot.merge(s);
+    tot.merge(s, inv_t);
   return tot;
 }
 
 // Both VJPs: per row, reduce the elements' terms, turn the sums into the row's result
 // (grad_k, grad_t and d L / d s_i from an element's term), then write d L / d x_i.
-// term(r, i, b_s, 1/t) gives element i's VjpTerm; solve(r, sums, b_s, t) the row's result.
-template <typename scalar_t, typename Term, typename Solve>
-void vjp_rows(BackwardIO& io, double sign, const Term& term, const Solve& solve) {
+// term(r, i, b_s, 1/t) gives element i's VjpTerm, up(r, i) its upstream gradient;
+// solve(r, sums, b_s, t) the row's result.
+template <typename scalar_t, typename Term, typename Up, typename Solve>
+void vjp_rows(BackwardIO& io, double sign, const Term& term, const Up& up, const Solve& solve) {
   const int64_t rows = io.x.size(0), n = io.x.size(1);
   const double* bp = io.b.const_data_ptr<double>();
   const double* tp = io.t.const_data_ptr<double>();
@@ -40,13 +42,14 @@ void vjp_rows(BackwardIO& io, double sign, const Term& term, const Solve& solve)
     for (int64_t r = r0; r < r1; ++r) {
       const double br = sign * bp[r], tr = tp[r], inv_t = inv_temperature(tr);
       const auto element = [&](int64_t i) { return term(r, i, br, inv_t); };
-      const auto v = solve(r, row_sums(n, element), br, tr);
+      const RowVjp v = solve(r, row_sums(n, inv_t, element), br, tr);
       gkp[r] = v.grad_k;
       gtp[r] = v.grad_t;
       at::parallel_for(0, n, kPartSize, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
           const VjpTerm e = element(i);
-          op[r * n + i] = static_cast<scalar_t>(sign * v.grad_score(e.G, e.tw));
+          const double wh = 0.5 * exp(-(e.a - v.m) * inv_t);
+          op[r * n + i] = static_cast<scalar_t>(sign * v.grad_score(wh, up(r, i), e.d, e.a));
         }
       });
     }
@@ -72,7 +75,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cpu(
           return vjp_term(sign * static_cast<double>(xp[r * n + i]), b, inv_t,
                           static_cast<double>(gp[r * n + i]), log_mode);
         },
-        [](int64_t, const VjpSums& s, double b, double t) { return mask_vjp(s, b, t); });
+        [&](int64_t r, int64_t i) { return static_cast<double>(gp[r * n + i]); },
+        [&](int64_t, const VjpSums& s, double b, double t) { return mask_vjp(s, b, t, log_mode); });
   });
   return {io.gx, io.gk, io.gt};
 }
@@ -93,6 +97,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cpu(
         [&](int64_t r, int64_t i, double b, double inv_t) {
           return vjp_term(sign * static_cast<double>(xp[r * n + i]), b, inv_t, 0.0, false);
         },
+        [](int64_t, int64_t) { return 0.0; },
         [&](int64_t r, const VjpSums& s, double b, double t) {
           return threshold_vjp(s, gbp[r], b, t, sign);
         });
