@@ -7,7 +7,8 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from ._ops import METHODS, MODE_HARD, MODE_LOG, MODE_SOFT, ops
+from . import _autograd as _ad
+from ._ops import METHODS, MODE_HARD, MODE_LOG, MODE_SOFT
 
 Number = Union[int, float]
 Budget = Union[Number, torch.Tensor]
@@ -72,12 +73,18 @@ def _per_row(v, name: str, x: torch.Tensor, batch, *, positive: bool, upper=None
         except RuntimeError as e:
             raise ValueError(f"{what}: {name} of shape {tuple(v.shape)} does not broadcast to "
                              f"{tuple(batch)} (x without dim)") from e
-        if v.device.type == "cpu" and _checking_values() and v.numel() > 0:
+        if (v.device.type == "cpu" and _checking_values() and v.numel() > 0
+                and not torch._C._functorch.is_functorch_wrapped_tensor(v)):  # no .item() under vmap
             _check_values(v.detach().double(), name, positive=positive, upper=upper, integral=integral, what=what)
         return v64
     if not isinstance(v, numbers.Real) or isinstance(v, bool):
         raise TypeError(f"{what}: {name} must be a real number or a tensor, got {type(v).__name__}")
-    f = float(v)  # plain Python checks: nothing here may break a compiled graph
+    if torch.compiler.is_compiling():
+        # A float that changes between calls is symbolic here: a Python check on it, or
+        # torch.full's fill value, would break the graph or specialize it (a recompile per
+        # value); a multiply keeps it a graph input. Unchecked, like tensor values.
+        return torch.ones(rows, dtype=torch.float64, device=x.device) * v
+    f = float(v)
     if not math.isfinite(f) or (f <= 0 if positive else f < 0) or (upper is not None and f > upper):
         bound = "> 0" if positive else (f">= 0 and <= n = {upper}" if upper is not None else ">= 0")
         raise ValueError(f"{what}: {name} must be finite and {bound}, got {f}")
@@ -126,7 +133,7 @@ def soft_topk(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *, dim: int
     Rows with NaN give NaN; +inf scores get 1 while the budget allows, -inf get 0.
     """
     rows_x, batch, kk, tt, m = _prepare(x, k, temperature, dim, method, "soft_topk", integral=hard)
-    p, _, _ = ops.soft_topk_forward(rows_x, kk, tt, largest, m, MODE_HARD if hard else MODE_SOFT)
+    p, _, _ = _ad.soft_topk_forward(rows_x, kk, tt, largest, m, MODE_HARD if hard else MODE_SOFT)
     return _from_rows(p, batch, dim)
 
 
@@ -135,7 +142,7 @@ def log_soft_topk(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *, dim:
     """log of soft_topk's mask, computed without cancellation (log p ~ (x - b)/t + log 1/2
     far below the threshold, where p itself underflows)."""
     rows_x, batch, kk, tt, m = _prepare(x, k, temperature, dim, method, "log_soft_topk")
-    p, _, _ = ops.soft_topk_forward(rows_x, kk, tt, largest, m, MODE_LOG)
+    p, _, _ = _ad.soft_topk_forward(rows_x, kk, tt, largest, m, MODE_LOG)
     return _from_rows(p, batch, dim)
 
 
@@ -144,7 +151,7 @@ def lapsum_threshold(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *, d
     """The threshold b of each row, float64, shaped like x without `dim`; differentiable
     in x, k and temperature. For largest=False the mask is F((b - x_i)/t)."""
     rows_x, batch, kk, tt, m = _prepare(x, k, temperature, dim, method, "lapsum_threshold")
-    b, _, _ = ops.lapsum_threshold(rows_x, kk, tt, largest, m)
+    b, _, _ = _ad.lapsum_threshold(rows_x, kk, tt, largest, m)
     return b.reshape(batch)
 
 
@@ -154,7 +161,7 @@ def lapsum_diagnostics(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *,
     ordered exactly and the bracket attempts. Stays on x's device: no host sync."""
     rows_x, batch, kk, tt, m = _prepare(x, k, temperature, dim, method, "lapsum_diagnostics")
     with torch.no_grad():
-        b, _, diag = ops.lapsum_threshold(rows_x, kk, tt, largest, m)
+        b, _, diag = _ad.lapsum_threshold(rows_x, kk, tt, largest, m)
     d = diag.reshape(*batch, 3)
     return LapSumInfo(b.reshape(batch), d[..., 0], d[..., 1], d[..., 2])
 
@@ -191,5 +198,5 @@ def topk(x: torch.Tensor, k: int, *, dim: int = -1, largest: bool = True, sorted
         if lengths.device.type == "cpu" and _checking_values() and rows > 0:
             if not bool(((len_rows >= 0) & (len_rows <= n)).all()):
                 raise ValueError(f"topk: lengths must lie in [0, n] = [0, {n}]")
-    values, indices = ops.topk(rows_x, k, largest, sorted, len_rows)
+    values, indices = _ad.topk(rows_x, k, largest, sorted, len_rows)
     return _from_rows(values, batch, dim), _from_rows(indices, batch, dim)

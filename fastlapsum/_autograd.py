@@ -1,0 +1,390 @@
+"""Autograd for the custom ops: every mode, none of them silently zero.
+
+Each differentiable op (lapsum_threshold, soft_topk_forward, topk) gets an Autograd
+kernel that runs a torch.autograd.Function (setup_context style, with backward, jvp
+and a generated vmap rule), so that reverse mode, forward mode (forward_ad,
+torch.func.jvp / jacfwd), torch.func.grad / vjp / jacrev and torch.vmap all work on the
+ops themselves; torch.compile traces the same Function through AOTAutograd. Every op
+also has a vmap batching rule: a vmapped batch folds into the ops' rows.
+
+First-order backward calls the fused kernels (ops.soft_topk_backward,
+ops.lapsum_threshold_backward). Only when the backward itself must be differentiable
+(create_graph, torch.func.grad, hessians) is the VJP built from PyTorch ops; there the
+threshold enters as `_Attached(x, k, t, b)`, whose forward returns the saved b and
+whose backward / jvp is the threshold's, so derivatives of every order follow without
+re-solving. The forward-mode tangents are closed forms of the same per-row sums.
+
+Math (DESIGN §1.3), per row, on the largest side s = sign * x, b_s = sign * b:
+u_i = (s_i - b_s)/t, f_i = e^{-|u_i|}/2 (the Laplace density at u_i), sum_i F(u_i) = k.
+  db_s = (sum f_i ds_i - dt/t sum f_i d_i - t dk) / sum f_i,   d_i = s_i - b_s
+  dp_i = f_i (ds_i - db_s - d_i dt/t) / t,    d log p_i = dp_i / p_i.
+Ratios of sums use the rescaled weights e_i = e^{-(|u_i| - min|u|)} (the largest is 1),
+so they stay finite when every f_i underflows; the absolute term t dk / sum f_i is
+taken as zero when sum f_i underflows to 0, as in the kernels.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import torch.autograd.forward_ad as _fwad
+from torch import Tensor
+
+from ._ops import MODE_LOG
+
+ops = torch.ops.fastlapsum
+F64 = torch.float64
+_lib = torch.library.Library("fastlapsum", "IMPL")
+
+
+# ---- per-row terms and closed forms --------------------------------------------------
+
+class _Terms(NamedTuple):
+    sign: float
+    d: Tensor  # s - b_s (0 where the term is void)
+    u: Tensor  # d / t
+    e: Tensor  # e^{-(|u| - min|u|)}: rescaled weights for ratios
+    E: Tensor  # sum e
+    f: Tensor  # e^{-|u|}/2 = t * w
+    W: Tensor  # sum f
+    ok: Tensor  # finite score and finite threshold
+    nan: Tensor  # [rows, 1]: the row's threshold is NaN
+
+
+def _terms(x: Tensor, b: Tensor, t: Tensor, largest: bool) -> _Terms:
+    """Per-element terms in float64; infinite scores and infinite thresholds are void
+    (no weight), and the where's keep inf out of every differentiated branch."""
+    sign = 1.0 if largest else -1.0
+    s = x.to(F64) * sign
+    bs = (b * sign)[:, None]
+    fin_b = torch.isfinite(bs)
+    ok = torch.isfinite(s) & fin_b
+    zero = s.new_zeros(())
+    d = torch.where(ok, s - torch.where(fin_b, bs, zero), zero)
+    u = d / t[:, None]
+    a = u.abs()
+    m = torch.where(ok, a, math.inf).amin(1, keepdim=True).detach()  # cancels in every ratio
+    m = torch.where(torch.isfinite(m), m, zero)
+    e = torch.where(ok, torch.exp(m - a), zero)
+    f = torch.where(ok, 0.5 * torch.exp(-a), zero)
+    return _Terms(sign, d, u, e, e.sum(1), f, f.sum(1), ok, torch.isnan(bs))
+
+
+def _ratio(num: Tensor, den: Tensor) -> Tensor:
+    """num / den, 0 where den is 0 (rows without a finite term, or an absolute sum that
+    underflowed: the kernels' "no gradient" rule)."""
+    pos = den > 0
+    return torch.where(pos, num / torch.where(pos, den, 1.0), 0.0)
+
+
+def _nan_rows(v: Tensor, nan: Tensor) -> Tensor:
+    return torch.where(nan if v.dim() == 2 else nan[:, 0], math.nan, v)
+
+
+def _as64(v: Optional[Tensor], like: Tensor) -> Tensor:
+    return like.new_zeros(()) if v is None else v.to(F64)
+
+
+def _threshold_tangent(r: _Terms, t: Tensor, dx, dk, dt) -> Tensor:
+    """db_s for tangents (dx, dk, dt) of (x, k, t)."""
+    ds = _as64(dx, r.d) * r.sign
+    dt, dk = _as64(dt, r.d), _as64(dk, r.d)
+    mean_ds = _ratio((r.e * ds).sum(1), r.E)
+    mean_d = _ratio((r.e * r.d).sum(1), r.E)
+    return mean_ds - dt / t * mean_d - _ratio(t * dk, r.W)
+
+
+def _log_factor(r: _Terms) -> Tensor:
+    """f / p: 1 below the threshold, e^{-u}/(2 - e^{-u}) above; 0 for void terms."""
+    ea = 2 * r.f
+    return torch.where(r.ok, torch.where(r.u <= 0, 1.0, ea / (2 - ea)), 0.0)
+
+
+def soft_jvp(x, k, t, b, largest: bool, log_mode: bool, dx, dk, dt) -> Tensor:
+    """Tangent of the soft (or log) mask; also hard=True's (straight-through)."""
+    r = _terms(x, b, t, largest)
+    db = _threshold_tangent(r, t, dx, dk, dt)
+    ds = _as64(dx, r.d) * r.sign
+    du = (ds - db[:, None] - r.d * (_as64(dt, r.d) / t)[:, None]) / t[:, None]
+    q = _log_factor(r) if log_mode else r.f
+    return _nan_rows(torch.where(r.ok, q * du, 0.0), r.nan).to(x.dtype)
+
+
+def threshold_jvp(x, k, t, b, largest: bool, dx, dk, dt) -> Tensor:
+    r = _terms(x, b, t, largest)
+    return _nan_rows(r.sign * _threshold_tangent(r, t, dx, dk, dt), r.nan)
+
+
+def soft_vjp_graph(g, x, k, t, b, largest: bool, log_mode: bool):
+    """ops.soft_topk_backward written with differentiable ops (b attached): for
+    create_graph. -> (grad_x, grad_k, grad_t)."""
+    r = _terms(x, _Attached.apply(x, k, t, b, largest), t, largest)
+    g = g.to(F64)
+    tc = t[:, None]
+    if log_mode:
+        G = g * _log_factor(r)
+        SG = G.sum(1)
+        ratio = _ratio(SG, r.W)  # absolute: <g/p, f> / sum f
+        gs = (G - r.e * _ratio(SG, r.E)[:, None]) / tc
+        gt = -((G * r.d).sum(1) - SG * _ratio((r.e * r.d).sum(1), r.E)) / (t * t)
+    else:
+        G = g * r.f
+        ratio = _ratio((g * r.e).sum(1), r.E)  # <g, w> / W
+        gs = (G - r.f * ratio[:, None]) / tc
+        gt = -((G * r.d).sum(1) - ratio * (r.f * r.d).sum(1)) / (t * t)
+    gx = _nan_rows(r.sign * gs, r.nan).to(x.dtype)
+    return gx, _nan_rows(ratio, r.nan), _nan_rows(gt, r.nan)
+
+
+def threshold_vjp_graph(gb, x, k, t, b, largest: bool):
+    """ops.lapsum_threshold_backward with differentiable ops (b attached)."""
+    r = _terms(x, _Attached.apply(x, k, t, b, largest), t, largest)
+    gb = gb.to(F64)
+    gx = gb[:, None] * r.e / torch.where(r.E > 0, r.E, 1.0)[:, None]  # db_s/ds_i = e_i / E
+    gk = -r.sign * gb * _ratio(t, r.W)
+    gt = -r.sign * gb * _ratio((r.e * r.d).sum(1), r.E) / t
+    return _nan_rows(gx, r.nan).to(x.dtype), _nan_rows(gk, r.nan), _nan_rows(gt, r.nan)
+
+
+def _graph_wanted(*tensors) -> bool:
+    """The backward must itself be differentiable (create_graph with a differentiable input)."""
+    return torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in tensors)
+
+
+def threshold_vjp(gb, x, k, t, b, largest: bool):
+    if _graph_wanted(gb, x, k, t):
+        return threshold_vjp_graph(gb, x, k, t, b, largest)
+    return ops.lapsum_threshold_backward(gb, x, b, t, largest)
+
+
+# ---- the Functions -------------------------------------------------------------------
+
+def _single_forward_level() -> None:
+    """Refuses forward-over-forward: PyTorch runs a Function's jvp with forward AD off,
+    so an outer jvp level would silently see a constant tangent."""
+    if torch._C._are_functorch_transforms_active():
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        jvp = torch._C._functorch.TransformType.Jvp
+        if sum(i.key() == jvp for i in retrieve_all_functorch_interpreters()) > 1:
+            raise RuntimeError(
+                "fastlapsum: forward-over-forward AD (jvp of jvp, jacfwd(jacfwd(...))) is not "
+                "supported; use torch.func.hessian (jacfwd(jacrev(...))) or jacrev(jacrev(...))")
+
+
+def _below_autograd(op, *args):
+    """Runs op under the current autograd layer (functorch transforms dispatch it on)."""
+    if torch._C._are_functorch_transforms_active():
+        return op(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
+class _Attached(torch.autograd.Function):
+    """b = threshold(x, k, t) already solved: returns b, differentiable as the threshold."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, k, t, b, largest):
+        return b.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, k, t, b, ctx.largest = inputs
+        ctx.save_for_backward(x, k, t, b)
+        ctx.save_for_forward(x, k, t, b)
+
+    @staticmethod
+    def backward(ctx, gb):
+        x, k, t, b = ctx.saved_tensors
+        return (*threshold_vjp(gb, x, k, t, b, ctx.largest), None, None)
+
+    @staticmethod
+    def jvp(ctx, dx, dk, dt, db, _):
+        _single_forward_level()
+        x, k, t, b = ctx.saved_tensors
+        return threshold_jvp(x, k, t, _Attached.apply(x, k, t, b, ctx.largest), ctx.largest, dx, dk, dt)
+
+
+class _Threshold(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, k, t, largest, method):
+        return _below_autograd(ops.lapsum_threshold.default, x, k, t, largest, method)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, k, t, ctx.largest, _ = inputs
+        b, edge, diag = output
+        ctx.save_for_backward(x, k, t, b)
+        ctx.save_for_forward(x, k, t, b)
+        ctx.mark_non_differentiable(edge, diag)
+
+    @staticmethod
+    def backward(ctx, gb, g_edge, g_diag):
+        x, k, t, b = ctx.saved_tensors
+        return (*threshold_vjp(gb, x, k, t, b, ctx.largest), None, None)
+
+    @staticmethod
+    def jvp(ctx, dx, dk, dt, _l, _m):
+        _single_forward_level()
+        x, k, t, b = ctx.saved_tensors
+        db = threshold_jvp(x, k, t, _Attached.apply(x, k, t, b, ctx.largest), ctx.largest, dx, dk, dt)
+        return db, None, None
+
+
+class _SoftTopK(torch.autograd.Function):
+    """soft_topk_forward: the mask p is differentiable (hard mode: the soft mask's
+    derivatives, straight-through); b and diag are not."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, k, t, largest, method, mode):
+        return _below_autograd(ops.soft_topk_forward.default, x, k, t, largest, method, mode)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, k, t, ctx.largest, _, mode = inputs
+        _, b, diag = output
+        ctx.log_mode = mode == MODE_LOG
+        ctx.save_for_backward(x, k, t, b)
+        ctx.save_for_forward(x, k, t, b)
+        ctx.mark_non_differentiable(b, diag)
+
+    @staticmethod
+    def backward(ctx, gp, g_b, g_diag):
+        x, k, t, b = ctx.saved_tensors
+        if _graph_wanted(gp, x, k, t):
+            grads = soft_vjp_graph(gp, x, k, t, b, ctx.largest, ctx.log_mode)
+        else:
+            grads = ops.soft_topk_backward(gp, x, b, t, ctx.largest, ctx.log_mode)
+        return (*grads, None, None, None)
+
+    @staticmethod
+    def jvp(ctx, dx, dk, dt, _l, _m, _mode):
+        _single_forward_level()
+        x, k, t, b = ctx.saved_tensors
+        b = _Attached.apply(x, k, t, b, ctx.largest)  # carries outer tangents (nested jvp)
+        return soft_jvp(x, k, t, b, ctx.largest, ctx.log_mode, dx, dk, dt), None, None
+
+
+class _TopK(torch.autograd.Function):
+    """topk: values are a gather of x (differentiable), indices are not."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, k, largest, sorted, lengths):
+        return _below_autograd(ops.topk.default, x, k, largest, sorted, lengths)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.x_shape = inputs[0].shape
+        ctx.save_for_backward(output[1])
+        ctx.save_for_forward(output[1])
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, g_values, g_indices):
+        (idx,) = ctx.saved_tensors
+        valid = idx >= 0
+        grad = g_values.new_zeros(ctx.x_shape).scatter_add(1, idx.clamp(min=0), torch.where(valid, g_values, 0))
+        return grad, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, dx, *_):
+        (idx,) = ctx.saved_tensors
+        return torch.where(idx >= 0, dx.gather(1, idx.clamp(min=0)), 0), None
+
+
+# ---- registration --------------------------------------------------------------------
+
+def _forward_ad_possible() -> bool:
+    """A forward-AD level or a torch.func transform is active (tangents may be present)."""
+    return torch._C._is_fwd_grad_enabled() and (
+        _fwad._current_level >= 0 or torch._C._are_functorch_transforms_active())
+
+
+def _differentiating(args) -> bool:
+    return (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)) or _forward_ad_possible()
+
+
+def run(fn, op, *args):
+    """The public functions' op call: the Function when some derivative may be taken,
+    else the kernel directly (no autograd bookkeeping). Under torch.compile the op
+    itself (dynamo does not trace a Function with a custom jvp; AOTAutograd runs the
+    op's Autograd kernel, i.e. the same Function)."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    if _differentiating(args):
+        return fn.apply(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
+def _autograd_kernel(op, fn):
+    after = torch._C._after_autograd_keyset
+
+    def kernel(keyset, *args):
+        if _differentiating(args):
+            if torch._C._are_functorch_transforms_active():
+                # a Function cannot re-enter functorch's dispatch from inside the op
+                raise RuntimeError(
+                    f"fastlapsum: torch.func transforms of {op} called directly are not "
+                    "supported; call the public functions (fastlapsum.soft_topk, ...)")
+            return fn.apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & after, *args)
+
+    return kernel
+
+
+for _name, _fn in (("lapsum_threshold", _Threshold), ("soft_topk_forward", _SoftTopK), ("topk", _TopK)):
+    _lib.impl(_name, _autograd_kernel(getattr(ops, _name).default, _fn), "Autograd", with_keyset=True)
+
+
+def _vmap_rows(op_name: str, n_out: int):
+    """Batching rule of a row-wise op: each tensor argument's vmapped dim goes first,
+    is broadcast to the batch and folded into the rows; outputs unfold again."""
+    op = getattr(ops, op_name).default
+
+    def rule(info, in_dims, *args):
+        B = info.batch_size
+        rows = None
+        folded = []
+        for a, d in zip(args, in_dims):
+            if isinstance(a, Tensor):
+                a = a.movedim(d, 0) if d is not None else a.unsqueeze(0)
+                a = a.expand(B, *a.shape[1:])
+                rows = a.shape[1] if rows is None else rows
+                a = a.reshape(B * a.shape[1], *a.shape[2:])
+            folded.append(a)
+        out = op(*folded)
+        out = out if isinstance(out, tuple) else (out,)
+        unfolded = tuple(o.reshape(B, rows, *o.shape[1:]) for o in out)
+        return (unfolded if n_out > 1 else unfolded[0]), ((0,) * n_out if n_out > 1 else 0)
+
+    torch.library.register_vmap(f"fastlapsum::{op_name}", rule, lib=_lib)
+
+
+for _name, _n in (("lapsum_threshold", 3), ("soft_topk_forward", 3), ("lapsum_mask", 1),
+                  ("soft_topk_backward", 3), ("lapsum_threshold_backward", 3), ("topk", 2)):
+    _vmap_rows(_name, _n)
+
+
+# ---- the public functions' entry points -----------------------------------------------
+
+def soft_topk_forward(x: Tensor, k: Tensor, t: Tensor, largest: bool, method: int, mode: int):
+    return run(_SoftTopK, ops.soft_topk_forward.default, x, k, t, largest, method, mode)
+
+
+def lapsum_threshold(x: Tensor, k: Tensor, t: Tensor, largest: bool, method: int):
+    return run(_Threshold, ops.lapsum_threshold.default, x, k, t, largest, method)
+
+
+def topk(x: Tensor, k: int, largest: bool, sorted: bool, lengths: Optional[Tensor]):
+    return run(_TopK, ops.topk.default, x, k, largest, sorted, lengths)
