@@ -119,7 +119,7 @@ def threshold_jvp(x, k, t, b, largest: bool, dx, dk, dt) -> Tensor:
 def soft_vjp_graph(g, x, k, t, b, largest: bool, log_mode: bool):
     """ops.soft_topk_backward written with differentiable ops (b attached): for
     create_graph. -> (grad_x, grad_k, grad_t)."""
-    r = _terms(x, _Attached.apply(x, k, t, b, largest), t, largest)
+    r = _terms(x, _attach(x, k, t, b, largest), t, largest)
     g = g.to(F64)
     tc = t[:, None]
     if log_mode:
@@ -139,7 +139,7 @@ def soft_vjp_graph(g, x, k, t, b, largest: bool, log_mode: bool):
 
 def threshold_vjp_graph(gb, x, k, t, b, largest: bool):
     """ops.lapsum_threshold_backward with differentiable ops (b attached)."""
-    r = _terms(x, _Attached.apply(x, k, t, b, largest), t, largest)
+    r = _terms(x, _attach(x, k, t, b, largest), t, largest)
     gb = gb.to(F64)
     gx = gb[:, None] * r.e / torch.where(r.E > 0, r.E, 1.0)[:, None]  # db_s/ds_i = e_i / E
     gk = -r.sign * gb * _ratio(t, r.W)
@@ -205,7 +205,7 @@ class _Attached(torch.autograd.Function):
     def jvp(ctx, dx, dk, dt, db, _):
         _single_forward_level()
         x, k, t, b = ctx.saved_tensors
-        return threshold_jvp(x, k, t, _Attached.apply(x, k, t, b, ctx.largest), ctx.largest, dx, dk, dt)
+        return threshold_jvp(x, k, t, _attach(x, k, t, b, ctx.largest), ctx.largest, dx, dk, dt)
 
 
 class _Threshold(torch.autograd.Function):
@@ -232,7 +232,7 @@ class _Threshold(torch.autograd.Function):
     def jvp(ctx, dx, dk, dt, _l, _m):
         _single_forward_level()
         x, k, t, b = ctx.saved_tensors
-        db = threshold_jvp(x, k, t, _Attached.apply(x, k, t, b, ctx.largest), ctx.largest, dx, dk, dt)
+        db = threshold_jvp(x, k, t, _attach(x, k, t, b, ctx.largest), ctx.largest, dx, dk, dt)
         return db, None, None
 
 
@@ -268,7 +268,7 @@ class _SoftTopK(torch.autograd.Function):
     def jvp(ctx, dx, dk, dt, _l, _m, _mode):
         _single_forward_level()
         x, k, t, b = ctx.saved_tensors
-        b = _Attached.apply(x, k, t, b, ctx.largest)  # carries outer tangents (nested jvp)
+        b = _attach(x, k, t, b, ctx.largest)  # reverse mode through the tangent (jacrev(jacfwd))
         return soft_jvp(x, k, t, b, ctx.largest, ctx.log_mode, dx, dk, dt), None, None
 
 
@@ -298,7 +298,35 @@ class _TopK(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, dx, *_):
         (idx,) = ctx.saved_tensors
+        if dx is None:
+            return None, None
         return torch.where(idx >= 0, dx.gather(1, idx.clamp(min=0)), 0), None
+
+
+def _eager_variant(fn):
+    """fn with a ctx-taking forward that runs setup_context itself: the same Function
+    outside torch.func transforms (which need the setup_context form), without the
+    per-call signature binding that Function.apply does for that form."""
+
+    def forward(ctx, *args):
+        out = fn.forward(*args)
+        fn.setup_context(ctx, args, out)
+        return out
+
+    return type(f"{fn.__name__}Eager", (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": staticmethod(fn.backward), "jvp": staticmethod(fn.jvp)})
+
+
+for _fn in (_Attached, _Threshold, _SoftTopK, _TopK):
+    _fn.eager = _eager_variant(_fn)
+
+
+def _apply(fn, *args):
+    return (fn if torch._C._are_functorch_transforms_active() else fn.eager).apply(*args)
+
+
+def _attach(x: Tensor, k: Tensor, t: Tensor, b: Tensor, largest: bool) -> Tensor:
+    return _apply(_Attached, x, k, t, b, largest)
 
 
 # ---- registration --------------------------------------------------------------------
@@ -321,7 +349,7 @@ def run(fn, op, *args):
     if torch.compiler.is_compiling():
         return op(*args)
     if _differentiating(args):
-        return fn.apply(*args)
+        return _apply(fn, *args)
     with torch._C._AutoDispatchBelowAutograd():
         return op(*args)
 
@@ -336,7 +364,7 @@ def _autograd_kernel(op, fn):
                 raise RuntimeError(
                     f"fastlapsum: torch.func transforms of {op} called directly are not "
                     "supported; call the public functions (fastlapsum.soft_topk, ...)")
-            return fn.apply(*args)
+            return _apply(fn, *args)
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & after, *args)
 
