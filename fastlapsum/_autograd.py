@@ -86,13 +86,16 @@ def _as64(v: Optional[Tensor], like: Tensor) -> Tensor:
     return like.new_zeros(()) if v is None else v.to(F64)
 
 
-def _threshold_tangent(r: _Terms, t: Tensor, dx, dk, dt) -> Tensor:
-    """db_s for tangents (dx, dk, dt) of (x, k, t)."""
+def _tangent_parts(r: _Terms, t: Tensor, dx, dk, dt):
+    """The pieces of t du_i = ds_i - db_s - d_i dt/t: core_i (the dx, dt part, through
+    ratios of rescaled weights), the threshold's dx, dt part mean_e(ds) - dt/t mean_e(d),
+    and dk (its part -t dk / sum f is absolute)."""
     ds = _as64(dx, r.d) * r.sign
     dt, dk = _as64(dt, r.d), _as64(dk, r.d)
     mean_ds = _ratio((r.e * ds).sum(1), r.E)
     mean_d = _ratio((r.e * r.d).sum(1), r.E)
-    return mean_ds - dt / t * mean_d - _ratio(t * dk, r.W)
+    core = ds - mean_ds[:, None] - (dt / t)[:, None] * (r.d - mean_d[:, None])
+    return core, mean_ds - dt / t * mean_d, dk
 
 
 def _log_factor(r: _Terms) -> Tensor:
@@ -102,18 +105,23 @@ def _log_factor(r: _Terms) -> Tensor:
 
 
 def soft_jvp(x, k, t, b, largest: bool, log_mode: bool, dx, dk, dt) -> Tensor:
-    """Tangent of the soft (or log) mask; also hard=True's (straight-through)."""
+    """Tangent of the soft (or log) mask; also hard=True's (straight-through).
+    dp_i = f_i core_i / t + dk f_i / sum f, the last as dk e_i / E (a ratio)."""
     r = _terms(x, b, t, largest)
-    db = _threshold_tangent(r, t, dx, dk, dt)
-    ds = _as64(dx, r.d) * r.sign
-    du = (ds - db[:, None] - r.d * (_as64(dt, r.d) / t)[:, None]) / t[:, None]
-    q = _log_factor(r) if log_mode else r.f
-    return _nan_rows(torch.where(r.ok, q * du, 0.0), r.nan).to(x.dtype)
+    core, _, dk = _tangent_parts(r, t, dx, dk, dt)
+    if log_mode:
+        q = _log_factor(r)
+        out = q * (core / t[:, None] + _ratio(dk.expand_as(t), r.W)[:, None])
+    else:
+        out = r.f * core / t[:, None] + dk.expand_as(t)[:, None] * r.e / torch.where(r.E > 0, r.E, 1.0)[:, None]
+    return _nan_rows(torch.where(r.ok, out, 0.0), r.nan).to(x.dtype)
 
 
 def threshold_jvp(x, k, t, b, largest: bool, dx, dk, dt) -> Tensor:
+    """db = sign (mean_e(ds) - dt/t mean_e(d) - t dk / sum f)."""
     r = _terms(x, b, t, largest)
-    return _nan_rows(r.sign * _threshold_tangent(r, t, dx, dk, dt), r.nan)
+    _, shift, dk = _tangent_parts(r, t, dx, dk, dt)
+    return _nan_rows(r.sign * (shift - _ratio(t * dk, r.W)), r.nan)
 
 
 def soft_vjp_graph(g, x, k, t, b, largest: bool, log_mode: bool):
