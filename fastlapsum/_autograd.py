@@ -1,31 +1,36 @@
-"""Autograd for the custom ops: every mode, none of them silently zero.
+"""Autograd for the custom ops in every mode; none of them silently zero.
 
-Each differentiable op (lapsum_threshold, soft_topk_forward, topk) gets an Autograd
-kernel that runs a torch.autograd.Function (setup_context style, with backward, jvp
-and a generated vmap rule), so that reverse mode, forward mode (forward_ad,
-torch.func.jvp / jacfwd), torch.func.grad / vjp / jacrev and torch.vmap all work on the
-ops themselves; torch.compile traces the same Function through AOTAutograd. Every op
-also has a vmap batching rule: a vmapped batch folds into the ops' rows.
+Each differentiable op (lapsum_threshold, soft_topk_forward, topk) has a
+torch.autograd.Function (setup_context form: backward, jvp, generated vmap rule):
+reverse mode, forward mode (forward_ad, torch.func.jvp / jacfwd), double backward,
+torch.func.grad / vjp / jacrev / hessian and torch.vmap. The public functions call it
+in eager mode (or the kernel directly when no derivative can be taken); under
+torch.compile they call the op, whose Autograd kernel (registered here) runs the same
+Function inside AOTAutograd. Every op has a vmap batching rule: a vmapped batch folds
+into the ops' rows. Refused with an error: forward-over-forward (jacfwd(jacfwd)) of the
+soft ops, and torch.func transforms of torch.ops.fastlapsum.* called directly.
 
 First-order backward calls the fused kernels (ops.soft_topk_backward,
-ops.lapsum_threshold_backward). Only when the backward itself must be differentiable
+ops.lapsum_threshold_backward). Only when the backward must itself be differentiable
 (create_graph, torch.func.grad, hessians) is the VJP built from PyTorch ops; there the
 threshold enters as `_Attached(x, k, t, b)`, whose forward returns the saved b and
-whose backward / jvp is the threshold's, so derivatives of every order follow without
-re-solving. The forward-mode tangents are closed forms of the same per-row sums.
+whose backward / jvp are the threshold's, so derivatives of every order follow without
+re-solving. hard=True (straight-through) has the soft mask's tangent, as its VJP is
+the soft mask's.
 
 Math (DESIGN §1.3), per row, on the largest side s = sign * x, b_s = sign * b:
 u_i = (s_i - b_s)/t, f_i = e^{-|u_i|}/2 (the Laplace density at u_i), sum_i F(u_i) = k.
   db_s = (sum f_i ds_i - dt/t sum f_i d_i - t dk) / sum f_i,   d_i = s_i - b_s
   dp_i = f_i (ds_i - db_s - d_i dt/t) / t,    d log p_i = dp_i / p_i.
 Ratios of sums use the rescaled weights e_i = e^{-(|u_i| - min|u|)} (the largest is 1),
-so they stay finite when every f_i underflows; the absolute term t dk / sum f_i is
-taken as zero when sum f_i underflows to 0, as in the kernels.
+so they stay finite when every f_i underflows; absolute terms (t dk / sum f for the
+threshold and the log mask) are taken as zero when sum f underflows to 0, as in the
+kernels.
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.autograd.forward_ad as _fwad
@@ -44,8 +49,8 @@ class _Terms(NamedTuple):
     sign: float
     d: Tensor  # s - b_s (0 where the term is void)
     u: Tensor  # d / t
-    e: Tensor  # e^{-(|u| - min|u|)}: rescaled weights for ratios
-    E: Tensor  # sum e
+    e: Tensor  # e^{-(|u| - min|u|)}: rescaled weights (the largest is 1)
+    share: Tensor  # e / sum e = w / W, 0 in rows without a weight
     f: Tensor  # e^{-|u|}/2 = t * w
     W: Tensor  # sum f
     ok: Tensor  # finite score and finite threshold
@@ -68,12 +73,14 @@ def _terms(x: Tensor, b: Tensor, t: Tensor, largest: bool) -> _Terms:
     m = torch.where(torch.isfinite(m), m, zero)
     e = torch.where(ok, torch.exp(m - a), zero)
     f = torch.where(ok, 0.5 * torch.exp(-a), zero)
-    return _Terms(sign, d, u, e, e.sum(1), f, f.sum(1), ok, torch.isnan(bs))
+    E = e.sum(1, keepdim=True)
+    share = e / torch.where(E > 0, E, 1.0)
+    return _Terms(sign, d, u, e, share, f, f.sum(1), ok, torch.isnan(bs))
 
 
 def _ratio(num: Tensor, den: Tensor) -> Tensor:
-    """num / den, 0 where den is 0 (rows without a finite term, or an absolute sum that
-    underflowed: the kernels' "no gradient" rule)."""
+    """num / den for an absolute den (sum f), 0 where it underflowed to 0: the kernels'
+    "no gradient" rule."""
     pos = den > 0
     return torch.where(pos, num / torch.where(pos, den, 1.0), 0.0)
 
@@ -86,14 +93,14 @@ def _as64(v: Optional[Tensor], like: Tensor) -> Tensor:
     return like.new_zeros(()) if v is None else v.to(F64)
 
 
-def _tangent_parts(r: _Terms, t: Tensor, dx, dk, dt):
+def _tangent_parts(r: _Terms, t: Tensor, dx, dk, dt) -> tuple[Tensor, Tensor, Tensor]:
     """The pieces of t du_i = ds_i - db_s - d_i dt/t: core_i (the dx, dt part, through
     ratios of rescaled weights), the threshold's dx, dt part mean_e(ds) - dt/t mean_e(d),
     and dk (its part -t dk / sum f is absolute)."""
     ds = _as64(dx, r.d) * r.sign
     dt, dk = _as64(dt, r.d), _as64(dk, r.d)
-    mean_ds = _ratio((r.e * ds).sum(1), r.E)
-    mean_d = _ratio((r.e * r.d).sum(1), r.E)
+    mean_ds = (r.share * ds).sum(1)
+    mean_d = (r.share * r.d).sum(1)
     core = ds - mean_ds[:, None] - (dt / t)[:, None] * (r.d - mean_d[:, None])
     return core, mean_ds - dt / t * mean_d, dk
 
@@ -106,14 +113,14 @@ def _log_factor(r: _Terms) -> Tensor:
 
 def soft_jvp(x, k, t, b, largest: bool, log_mode: bool, dx, dk, dt) -> Tensor:
     """Tangent of the soft (or log) mask; also hard=True's (straight-through).
-    dp_i = f_i core_i / t + dk f_i / sum f, the last as dk e_i / E (a ratio)."""
+    dp_i = f_i core_i / t + dk f_i / sum f, the last as dk * share_i (a ratio)."""
     r = _terms(x, b, t, largest)
     core, _, dk = _tangent_parts(r, t, dx, dk, dt)
     if log_mode:
         q = _log_factor(r)
         out = q * (core / t[:, None] + _ratio(dk.expand_as(t), r.W)[:, None])
     else:
-        out = r.f * core / t[:, None] + dk.expand_as(t)[:, None] * r.e / torch.where(r.E > 0, r.E, 1.0)[:, None]
+        out = r.f * core / t[:, None] + dk.expand_as(t)[:, None] * r.share
     return _nan_rows(torch.where(r.ok, out, 0.0), r.nan).to(x.dtype)
 
 
@@ -124,7 +131,7 @@ def threshold_jvp(x, k, t, b, largest: bool, dx, dk, dt) -> Tensor:
     return _nan_rows(r.sign * (shift - _ratio(t * dk, r.W)), r.nan)
 
 
-def soft_vjp_graph(g, x, k, t, b, largest: bool, log_mode: bool):
+def soft_vjp_graph(g, x, k, t, b, largest: bool, log_mode: bool) -> tuple:
     """ops.soft_topk_backward written with differentiable ops (b attached): for
     create_graph. -> (grad_x, grad_k, grad_t)."""
     r = _terms(x, _attach(x, k, t, b, largest), t, largest)
@@ -134,24 +141,24 @@ def soft_vjp_graph(g, x, k, t, b, largest: bool, log_mode: bool):
         G = g * _log_factor(r)
         SG = G.sum(1)
         ratio = _ratio(SG, r.W)  # absolute: <g/p, f> / sum f
-        gs = (G - r.e * _ratio(SG, r.E)[:, None]) / tc
-        gt = -((G * r.d).sum(1) - SG * _ratio((r.e * r.d).sum(1), r.E)) / (t * t)
+        gs = (G - r.share * SG[:, None]) / tc
+        gt = -((G * r.d).sum(1) - SG * (r.share * r.d).sum(1)) / (t * t)
     else:
         G = g * r.f
-        ratio = _ratio((g * r.e).sum(1), r.E)  # <g, w> / W
+        ratio = (g * r.share).sum(1)  # <g, w> / W
         gs = (G - r.f * ratio[:, None]) / tc
         gt = -((G * r.d).sum(1) - ratio * (r.f * r.d).sum(1)) / (t * t)
     gx = _nan_rows(r.sign * gs, r.nan).to(x.dtype)
     return gx, _nan_rows(ratio, r.nan), _nan_rows(gt, r.nan)
 
 
-def threshold_vjp_graph(gb, x, k, t, b, largest: bool):
+def threshold_vjp_graph(gb, x, k, t, b, largest: bool) -> tuple:
     """ops.lapsum_threshold_backward with differentiable ops (b attached)."""
     r = _terms(x, _attach(x, k, t, b, largest), t, largest)
     gb = gb.to(F64)
-    gx = gb[:, None] * r.e / torch.where(r.E > 0, r.E, 1.0)[:, None]  # db_s/ds_i = e_i / E
+    gx = gb[:, None] * r.share  # sign * db_s/ds_i * sign
     gk = -r.sign * gb * _ratio(t, r.W)
-    gt = -r.sign * gb * _ratio((r.e * r.d).sum(1), r.E) / t
+    gt = -r.sign * gb * (r.share * r.d).sum(1) / t
     return _nan_rows(gx, r.nan).to(x.dtype), _nan_rows(gk, r.nan), _nan_rows(gt, r.nan)
 
 
@@ -160,7 +167,7 @@ def _graph_wanted(*tensors) -> bool:
     return torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in tensors)
 
 
-def threshold_vjp(gb, x, k, t, b, largest: bool):
+def threshold_vjp(gb, x, k, t, b, largest: bool) -> tuple:
     if _graph_wanted(gb, x, k, t):
         return threshold_vjp_graph(gb, x, k, t, b, largest)
     return ops.lapsum_threshold_backward(gb, x, b, t, largest)
@@ -181,8 +188,9 @@ def _single_forward_level() -> None:
                 "supported; use torch.func.hessian (jacfwd(jacrev(...))) or jacrev(jacrev(...))")
 
 
-def _below_autograd(op, *args):
-    """Runs op under the current autograd layer (functorch transforms dispatch it on)."""
+def _below_autograd(op, *args) -> tuple:
+    """The forward's op call, past the Autograd key (under a torch.func transform, a vmap
+    layer of a generated vmap rule, through the dispatcher to that layer)."""
     if torch._C._are_functorch_transforms_active():
         return op(*args)
     with torch._C._AutoDispatchBelowAutograd():
@@ -195,7 +203,7 @@ class _Attached(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, k, t, b, largest):
+    def forward(x, k, t, b, largest) -> Tensor:
         return b.clone()
 
     @staticmethod
@@ -205,12 +213,12 @@ class _Attached(torch.autograd.Function):
         ctx.save_for_forward(x, k, t, b)
 
     @staticmethod
-    def backward(ctx, gb):
+    def backward(ctx, gb) -> tuple:
         x, k, t, b = ctx.saved_tensors
         return (*threshold_vjp(gb, x, k, t, b, ctx.largest), None, None)
 
     @staticmethod
-    def jvp(ctx, dx, dk, dt, db, _):
+    def jvp(ctx, dx, dk, dt, db, _) -> Tensor:
         _single_forward_level()
         x, k, t, b = ctx.saved_tensors
         return threshold_jvp(x, k, t, _attach(x, k, t, b, ctx.largest), ctx.largest, dx, dk, dt)
@@ -220,7 +228,7 @@ class _Threshold(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, k, t, largest, method):
+    def forward(x, k, t, largest, method) -> tuple[Tensor, Tensor, Tensor]:
         return _below_autograd(ops.lapsum_threshold.default, x, k, t, largest, method)
 
     @staticmethod
@@ -232,12 +240,12 @@ class _Threshold(torch.autograd.Function):
         ctx.mark_non_differentiable(edge, diag)
 
     @staticmethod
-    def backward(ctx, gb, g_edge, g_diag):
+    def backward(ctx, gb, g_edge, g_diag) -> tuple:
         x, k, t, b = ctx.saved_tensors
         return (*threshold_vjp(gb, x, k, t, b, ctx.largest), None, None)
 
     @staticmethod
-    def jvp(ctx, dx, dk, dt, _l, _m):
+    def jvp(ctx, dx, dk, dt, _l, _m) -> tuple:
         _single_forward_level()
         x, k, t, b = ctx.saved_tensors
         db = threshold_jvp(x, k, t, _attach(x, k, t, b, ctx.largest), ctx.largest, dx, dk, dt)
@@ -251,7 +259,7 @@ class _SoftTopK(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, k, t, largest, method, mode):
+    def forward(x, k, t, largest, method, mode) -> tuple[Tensor, Tensor, Tensor]:
         return _below_autograd(ops.soft_topk_forward.default, x, k, t, largest, method, mode)
 
     @staticmethod
@@ -264,7 +272,7 @@ class _SoftTopK(torch.autograd.Function):
         ctx.mark_non_differentiable(b, diag)
 
     @staticmethod
-    def backward(ctx, gp, g_b, g_diag):
+    def backward(ctx, gp, g_b, g_diag) -> tuple:
         x, k, t, b = ctx.saved_tensors
         if _graph_wanted(gp, x, k, t):
             grads = soft_vjp_graph(gp, x, k, t, b, ctx.largest, ctx.log_mode)
@@ -273,7 +281,7 @@ class _SoftTopK(torch.autograd.Function):
         return (*grads, None, None, None)
 
     @staticmethod
-    def jvp(ctx, dx, dk, dt, _l, _m, _mode):
+    def jvp(ctx, dx, dk, dt, _l, _m, _mode) -> tuple:
         _single_forward_level()
         x, k, t, b = ctx.saved_tensors
         b = _attach(x, k, t, b, ctx.largest)  # reverse mode through the tangent (jacrev(jacfwd))
@@ -286,7 +294,7 @@ class _TopK(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, k, largest, sorted, lengths):
+    def forward(x, k, largest, sorted, lengths) -> tuple[Tensor, Tensor]:
         return _below_autograd(ops.topk.default, x, k, largest, sorted, lengths)
 
     @staticmethod
@@ -297,26 +305,26 @@ class _TopK(torch.autograd.Function):
         ctx.mark_non_differentiable(output[1])
 
     @staticmethod
-    def backward(ctx, g_values, g_indices):
+    def backward(ctx, g_values, g_indices) -> tuple:
         (idx,) = ctx.saved_tensors
         valid = idx >= 0
         grad = g_values.new_zeros(ctx.x_shape).scatter_add(1, idx.clamp(min=0), torch.where(valid, g_values, 0))
         return grad, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, dx, *_):
+    def jvp(ctx, dx, *_) -> tuple:
         (idx,) = ctx.saved_tensors
         if dx is None:
             return None, None
         return torch.where(idx >= 0, dx.gather(1, idx.clamp(min=0)), 0), None
 
 
-def _eager_variant(fn):
+def _eager_variant(fn: type) -> type:
     """fn with a ctx-taking forward that runs setup_context itself: the same Function
     outside torch.func transforms (which need the setup_context form), without the
     per-call signature binding that Function.apply does for that form."""
 
-    def forward(ctx, *args):
+    def forward(ctx, *args) -> tuple:
         out = fn.forward(*args)
         fn.setup_context(ctx, args, out)
         return out
@@ -329,7 +337,7 @@ for _fn in (_Attached, _Threshold, _SoftTopK, _TopK):
     _fn.eager = _eager_variant(_fn)
 
 
-def _apply(fn, *args):
+def _apply(fn: type, *args) -> Tensor | tuple:
     return (fn if torch._C._are_functorch_transforms_active() else fn.eager).apply(*args)
 
 
@@ -349,7 +357,7 @@ def _differentiating(args) -> bool:
     return (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)) or _forward_ad_possible()
 
 
-def run(fn, op, *args):
+def run(fn: type, op, *args) -> tuple:
     """The public functions' op call: the Function when some derivative may be taken,
     else the kernel directly (no autograd bookkeeping). Under torch.compile the op
     itself (dynamo does not trace a Function with a custom jvp; AOTAutograd runs the
@@ -362,10 +370,10 @@ def run(fn, op, *args):
         return op(*args)
 
 
-def _autograd_kernel(op, fn):
+def _autograd_kernel(op, fn: type) -> Callable:
     after = torch._C._after_autograd_keyset
 
-    def kernel(keyset, *args):
+    def kernel(keyset, *args) -> tuple:
         if _differentiating(args):
             if torch._C._are_functorch_transforms_active():
                 # a Function cannot re-enter functorch's dispatch from inside the op
@@ -383,12 +391,12 @@ for _name, _fn in (("lapsum_threshold", _Threshold), ("soft_topk_forward", _Soft
     _lib.impl(_name, _autograd_kernel(getattr(ops, _name).default, _fn), "Autograd", with_keyset=True)
 
 
-def _vmap_rows(op_name: str, n_out: int):
+def _vmap_rows(op_name: str, n_out: int) -> None:
     """Batching rule of a row-wise op: each tensor argument's vmapped dim goes first,
     is broadcast to the batch and folded into the rows; outputs unfold again."""
     op = getattr(ops, op_name).default
 
-    def rule(info, in_dims, *args):
+    def rule(info, in_dims, *args) -> tuple:
         B = info.batch_size
         rows = None
         folded = []
@@ -414,13 +422,13 @@ for _name, _n in (("lapsum_threshold", 3), ("soft_topk_forward", 3), ("lapsum_ma
 
 # ---- the public functions' entry points -----------------------------------------------
 
-def soft_topk_forward(x: Tensor, k: Tensor, t: Tensor, largest: bool, method: int, mode: int):
+def soft_topk_forward(x: Tensor, k: Tensor, t: Tensor, largest: bool, method: int, mode: int) -> tuple:
     return run(_SoftTopK, ops.soft_topk_forward.default, x, k, t, largest, method, mode)
 
 
-def lapsum_threshold(x: Tensor, k: Tensor, t: Tensor, largest: bool, method: int):
+def lapsum_threshold(x: Tensor, k: Tensor, t: Tensor, largest: bool, method: int) -> tuple:
     return run(_Threshold, ops.lapsum_threshold.default, x, k, t, largest, method)
 
 
-def topk(x: Tensor, k: int, largest: bool, sorted: bool, lengths: Optional[Tensor]):
+def topk(x: Tensor, k: int, largest: bool, sorted: bool, lengths: Optional[Tensor]) -> tuple:
     return run(_TopK, ops.topk.default, x, k, largest, sorted, lengths)

@@ -93,7 +93,7 @@ def _per_row(v, name: str, x: torch.Tensor, batch, *, positive: bool, upper=None
     return torch.full((rows,), f, dtype=torch.float64, device=x.device)
 
 
-def _check_values(v: torch.Tensor, name, *, positive, upper, integral, what):
+def _check_values(v: torch.Tensor, name, *, positive, upper, integral, what) -> None:
     if not bool(torch.isfinite(v).all()):
         raise ValueError(f"{what}: {name} must be finite")
     if positive and not bool((v > 0).all()):
@@ -112,7 +112,7 @@ def _method(method: str, what: str) -> int:
     return METHODS[method]
 
 
-def _prepare(x, k, temperature, dim, method, what, integral=False):
+def _prepare(x, k, temperature, dim, method, what, integral=False) -> tuple:
     n = _check_x(x, dim, what)
     rows_x, batch = _as_rows(x, dim)
     kk = _per_row(k, "k", x, batch, positive=False, upper=n, integral=integral, what=what)
