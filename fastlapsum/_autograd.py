@@ -197,6 +197,23 @@ def _below_autograd(op, *args) -> tuple:
         return op(*args)
 
 
+def _save(ctx, x: Tensor, k: Tensor, t: Tensor, b: Tensor, largest: bool) -> None:
+    ctx.largest = largest
+    ctx.save_for_backward(x, k, t, b)
+    ctx.save_for_forward(x, k, t, b)
+
+
+def _threshold_backward(ctx, gb: Tensor) -> tuple:
+    x, k, t, b = ctx.saved_tensors
+    return (*threshold_vjp(gb, x, k, t, b, ctx.largest), None, None)
+
+
+def _threshold_tangent(ctx, dx, dk, dt) -> Tensor:
+    _single_forward_level()
+    x, k, t, b = ctx.saved_tensors
+    return threshold_jvp(x, k, t, _attach(x, k, t, b, ctx.largest), ctx.largest, dx, dk, dt)
+
+
 class _Attached(torch.autograd.Function):
     """b = threshold(x, k, t) already solved: returns b, differentiable as the threshold."""
 
@@ -208,20 +225,15 @@ class _Attached(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        x, k, t, b, ctx.largest = inputs
-        ctx.save_for_backward(x, k, t, b)
-        ctx.save_for_forward(x, k, t, b)
+        _save(ctx, *inputs)
 
     @staticmethod
     def backward(ctx, gb) -> tuple:
-        x, k, t, b = ctx.saved_tensors
-        return (*threshold_vjp(gb, x, k, t, b, ctx.largest), None, None)
+        return _threshold_backward(ctx, gb)
 
     @staticmethod
     def jvp(ctx, dx, dk, dt, db, _) -> Tensor:
-        _single_forward_level()
-        x, k, t, b = ctx.saved_tensors
-        return threshold_jvp(x, k, t, _attach(x, k, t, b, ctx.largest), ctx.largest, dx, dk, dt)
+        return _threshold_tangent(ctx, dx, dk, dt)
 
 
 class _Threshold(torch.autograd.Function):
@@ -233,23 +245,18 @@ class _Threshold(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        x, k, t, ctx.largest, _ = inputs
+        x, k, t, largest, _ = inputs
         b, edge, diag = output
-        ctx.save_for_backward(x, k, t, b)
-        ctx.save_for_forward(x, k, t, b)
+        _save(ctx, x, k, t, b, largest)
         ctx.mark_non_differentiable(edge, diag)
 
     @staticmethod
     def backward(ctx, gb, g_edge, g_diag) -> tuple:
-        x, k, t, b = ctx.saved_tensors
-        return (*threshold_vjp(gb, x, k, t, b, ctx.largest), None, None)
+        return _threshold_backward(ctx, gb)
 
     @staticmethod
     def jvp(ctx, dx, dk, dt, _l, _m) -> tuple:
-        _single_forward_level()
-        x, k, t, b = ctx.saved_tensors
-        db = threshold_jvp(x, k, t, _attach(x, k, t, b, ctx.largest), ctx.largest, dx, dk, dt)
-        return db, None, None
+        return _threshold_tangent(ctx, dx, dk, dt), None, None
 
 
 class _SoftTopK(torch.autograd.Function):
@@ -264,11 +271,10 @@ class _SoftTopK(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        x, k, t, ctx.largest, _, mode = inputs
+        x, k, t, largest, _, mode = inputs
         _, b, diag = output
         ctx.log_mode = mode == MODE_LOG
-        ctx.save_for_backward(x, k, t, b)
-        ctx.save_for_forward(x, k, t, b)
+        _save(ctx, x, k, t, b, largest)
         ctx.mark_non_differentiable(b, diag)
 
     @staticmethod
