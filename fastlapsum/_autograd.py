@@ -162,9 +162,23 @@ def threshold_vjp_graph(gb, x, k, t, b, largest: bool) -> tuple:
     return _nan_rows(gx, r.nan).to(x.dtype), _nan_rows(gk, r.nan), _nan_rows(gt, r.nan)
 
 
+def _func_levels(kind: str) -> int:
+    """How many torch.func transforms of this kind ("Grad", "Jvp", ...) are active."""
+    if not torch._C._are_functorch_transforms_active():
+        return 0
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    want = getattr(torch._C._functorch.TransformType, kind)
+    return sum(i.key() == want for i in retrieve_all_functorch_interpreters())
+
+
 def _graph_wanted(*tensors) -> bool:
-    """The backward must itself be differentiable (create_graph with a differentiable input)."""
-    return torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in tensors)
+    """The backward (or tangent) must itself be differentiable: create_graph with a
+    differentiable input, or a torch.func grad level (whose tracking requires_grad does
+    not show at the levels below it)."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(v is not None and v.requires_grad for v in tensors) or _func_levels("Grad") > 0
 
 
 def threshold_vjp(gb, x, k, t, b, largest: bool) -> tuple:
@@ -178,14 +192,10 @@ def threshold_vjp(gb, x, k, t, b, largest: bool) -> tuple:
 def _single_forward_level() -> None:
     """Refuses forward-over-forward: PyTorch runs a Function's jvp with forward AD off,
     so an outer jvp level would silently see a constant tangent."""
-    if torch._C._are_functorch_transforms_active():
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-        jvp = torch._C._functorch.TransformType.Jvp
-        if sum(i.key() == jvp for i in retrieve_all_functorch_interpreters()) > 1:
-            raise RuntimeError(
-                "fastlapsum: forward-over-forward AD (jvp of jvp, jacfwd(jacfwd(...))) is not "
-                "supported; use torch.func.hessian (jacfwd(jacrev(...))) or jacrev(jacrev(...))")
+    if _func_levels("Jvp") > 1:
+        raise RuntimeError(
+            "fastlapsum: forward-over-forward AD (jvp of jvp, jacfwd(jacfwd(...))) is not "
+            "supported; use torch.func.hessian (jacfwd(jacrev(...))) or jacrev(jacrev(...))")
 
 
 def _below_autograd(op, *args) -> tuple:
@@ -198,12 +208,15 @@ def _below_autograd(op, *args) -> tuple:
 
 
 def _save(ctx, x: Tensor, k: Tensor, t: Tensor, b: Tensor, largest: bool) -> None:
+    ctx.set_materialize_grads(False)  # None, not zeros, for inputs without a tangent
     ctx.largest = largest
     ctx.save_for_backward(x, k, t, b)
     ctx.save_for_forward(x, k, t, b)
 
 
-def _threshold_backward(ctx, gb: Tensor) -> tuple:
+def _threshold_backward(ctx, gb: Optional[Tensor]) -> tuple:
+    if gb is None:
+        return (None,) * 5
     x, k, t, b = ctx.saved_tensors
     return (*threshold_vjp(gb, x, k, t, b, ctx.largest), None, None)
 
@@ -211,6 +224,11 @@ def _threshold_backward(ctx, gb: Tensor) -> tuple:
 def _threshold_tangent(ctx, dx, dk, dt) -> Tensor:
     _single_forward_level()
     x, k, t, b = ctx.saved_tensors
+    if not _graph_wanted(x, k, t, dx, dk, dt):
+        # the fused VJP of grad_b = 1 is the gradient of b: one kernel and a dot product
+        gx, gk, gt = ops.lapsum_threshold_backward(torch.ones_like(b), x, b, t, ctx.largest)
+        db = gx.new_zeros(b.shape, dtype=F64) if dx is None else (gx.to(F64) * dx.to(F64)).sum(1)
+        return db + gk * _as64(dk, b) + gt * _as64(dt, b)
     return threshold_jvp(x, k, t, _attach(x, k, t, b, ctx.largest), ctx.largest, dx, dk, dt)
 
 
@@ -279,6 +297,8 @@ class _SoftTopK(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gp, g_b, g_diag) -> tuple:
+        if gp is None:
+            return (None,) * 6
         x, k, t, b = ctx.saved_tensors
         if _graph_wanted(gp, x, k, t):
             grads = soft_vjp_graph(gp, x, k, t, b, ctx.largest, ctx.log_mode)
@@ -290,6 +310,9 @@ class _SoftTopK(torch.autograd.Function):
     def jvp(ctx, dx, dk, dt, _l, _m, _mode) -> tuple:
         _single_forward_level()
         x, k, t, b = ctx.saved_tensors
+        if not ctx.log_mode and dx is not None and dk is None and dt is None and not _graph_wanted(x, dx):
+            # the soft mask's Jacobian in x, diag(w) - w w^T / W, is symmetric: JVP = fused VJP
+            return ops.soft_topk_backward(dx, x, b, t, ctx.largest, False)[0], None, None
         b = _attach(x, k, t, b, ctx.largest)  # reverse mode through the tangent (jacrev(jacfwd))
         return soft_jvp(x, k, t, b, ctx.largest, ctx.log_mode, dx, dk, dt), None, None
 

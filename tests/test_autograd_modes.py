@@ -288,3 +288,28 @@ def test_saturated_row_stays_finite(device):
         (g,) = torch.autograd.grad(op(xs, k, t, True).sum(), xs, create_graph=True)
         (h,) = torch.autograd.grad((g * dx).sum(), xs, allow_unused=True)
         assert bool(torch.isfinite(g).all()) and (h is None or bool(torch.isfinite(h).all()))
+
+
+@pytest.mark.parametrize("op", sorted(SOFT_OPS) + ["hard"])
+@pytest.mark.parametrize("largest", [True, False])
+def test_jvp_in_x_only_matches_jacrev(device, op, largest):
+    """A tangent in x alone takes the fused kernels (the soft mask's x-Jacobian is
+    symmetric; the threshold's gradient is its VJP of 1): against jacrev and jacfwd's
+    batched jvp."""
+    x, dx = scores(device, seed=16), scores(device, seed=17)
+    if op == "hard":
+        fn = lambda a: fl.soft_topk(a, 2, 0.6, largest=largest, hard=True)  # noqa: E731
+        soft = lambda a: fl.soft_topk(a, 2, 0.6, largest=largest)  # noqa: E731
+    else:
+        fn = soft = lambda a: SOFT_OPS[op](a, 2.5, 0.6, largest)  # noqa: E731
+    _, tangent = jvp(fn, (x,), (dx,))
+    jac = jacrev(soft)(x)
+    lead = tangent.dim()
+    want = (jac * dx).flatten(lead).sum(-1)
+    assert want.abs().max() > 1e-3
+    torch.testing.assert_close(tangent, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(jacfwd(soft)(x), jac, rtol=1e-10, atol=1e-12)
+    with _OpLog() as log:
+        jvp(fn, (x,), (dx,))
+    fused = "soft_topk_backward" if op in ("soft", "hard") else ("lapsum_threshold_backward" if op == "threshold" else None)
+    assert fused is None or f"fastlapsum.{fused}.default" in log.names
