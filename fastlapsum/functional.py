@@ -128,8 +128,9 @@ def soft_topk(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *, dim: int
     0 <= k <= n) and `temperature` (> 0) are numbers or tensors broadcastable to x without
     `dim`; tensors that require grad get gradients. `largest=False` selects the smallest.
     `hard=True` (integral k) returns the exact hard top-k mask (exactly k ones; smaller
-    index wins ties) with the soft mask's gradient (straight-through). `method` forces
-    the solver ("sort" or "bracket"); the answer does not depend on it.
+    index wins ties) with the soft mask's gradient and forward-mode tangent
+    (straight-through). `method` forces the solver ("sort" or "bracket"); the answer
+    does not depend on it.
     Rows with NaN give NaN; +inf scores get 1 while the budget allows, -inf get 0.
     """
     rows_x, batch, kk, tt, m = _prepare(x, k, temperature, dim, method, "soft_topk", integral=hard)
