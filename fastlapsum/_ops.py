@@ -1,4 +1,4 @@
-"""The custom ops' Python side: fake (meta) kernels and autograd formulas.
+"""The custom ops' Python side: fake (meta) kernels; autograd and vmap in _autograd.py.
 
 The schemas live in csrc/ops.cpp. Every op works on [rows, n] tensors with the
 selection dim last; fastlapsum/functional.py does the reshaping and validation.
@@ -70,59 +70,7 @@ def _(x, k, largest, sorted, lengths):
     return x.new_empty((rows, k)), x.new_empty((rows, k), dtype=torch.int64)
 
 
-# ---- autograd ----------------------------------------------------------------------
-
-def _setup_soft(ctx, inputs, output):
-    x, k, t, largest, method, mode = inputs
-    _, b, diag = output
-    ctx.save_for_backward(x, b, t)
-    ctx.largest = largest
-    ctx.log_mode = mode == MODE_LOG
-    ctx.mark_non_differentiable(b, diag)
-
-
-def _backward_soft(ctx, grad_p, grad_b, grad_diag):
-    x, b, t = ctx.saved_tensors
-    gx, gk, gt = ops.soft_topk_backward(grad_p, x, b, t, ctx.largest, ctx.log_mode)
-    return gx, gk, gt, None, None, None
-
-
-torch.library.register_autograd("fastlapsum::soft_topk_forward", _backward_soft, setup_context=_setup_soft)
-
-
-def _setup_threshold(ctx, inputs, output):
-    x, k, t, largest, method = inputs
-    b, edge, diag = output
-    ctx.save_for_backward(x, b, t)
-    ctx.largest = largest
-    ctx.mark_non_differentiable(edge, diag)
-
-
-def _backward_threshold(ctx, grad_b, grad_edge, grad_diag):
-    x, b, t = ctx.saved_tensors
-    gx, gk, gt = ops.lapsum_threshold_backward(grad_b, x, b, t, ctx.largest)
-    return gx, gk, gt, None, None
-
-
-torch.library.register_autograd("fastlapsum::lapsum_threshold", _backward_threshold, setup_context=_setup_threshold)
-
-
-def _setup_topk(ctx, inputs, output):
-    x = inputs[0]
-    ctx.x_shape = x.shape
-    ctx.save_for_backward(output[1])
-    ctx.mark_non_differentiable(output[1])
-
-
-def _backward_topk(ctx, grad_values, grad_indices):
-    (indices,) = ctx.saved_tensors
-    valid = indices >= 0
-    grad = grad_values.new_zeros(ctx.x_shape)
-    return grad.scatter_add(1, indices.clamp(min=0), torch.where(valid, grad_values, 0)), None, None, None, None
-
-
-torch.library.register_autograd("fastlapsum::topk", _backward_topk, setup_context=_setup_topk)
-
-
 # On CUDA every op is a native kernel (csrc/*/*_cuda.cu): soft_topk_forward fuses the
 # threshold and the mask for short rows and takes its hard mask from the exact selector.
+
+from . import _autograd  # noqa: E402,F401  (registers the Autograd kernels and vmap rules)

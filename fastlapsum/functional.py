@@ -8,7 +8,8 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from ._ops import METHODS, MODE_HARD, MODE_LOG, MODE_SOFT, ops
+from . import _autograd as _ad
+from ._ops import METHODS, MODE_HARD, MODE_LOG, MODE_SOFT
 
 Number = Union[int, float]
 Budget = Union[Number, torch.Tensor]
@@ -99,12 +100,18 @@ def _per_row(v, name: str, x: torch.Tensor, batch, *, positive: bool, upper=None
         except RuntimeError as e:
             raise ValueError(f"{what}: {name} of shape {tuple(v.shape)} does not broadcast to "
                              f"{tuple(batch)} (x without dim)") from e
-        if v.device.type == "cpu" and _checking_values() and v.numel() > 0:
+        if (v.device.type == "cpu" and _checking_values() and v.numel() > 0
+                and not torch._C._functorch.is_functorch_wrapped_tensor(v)):  # no .item() under vmap
             _check_values(v.detach().double(), name, positive=positive, upper=upper, integral=integral, what=what)
         return v64
     if not isinstance(v, numbers.Real) or isinstance(v, bool):
         raise TypeError(f"{what}: {name} must be a real number or a tensor, got {type(v).__name__}")
-    f = float(v)  # plain Python checks: nothing here may break a compiled graph
+    if torch.compiler.is_compiling():
+        # A float that changes between calls is symbolic here: a Python check on it, or
+        # torch.full's fill value, would break the graph or specialize it (a recompile per
+        # value); a multiply keeps it a graph input. Unchecked, like tensor values.
+        return torch.ones(rows, dtype=torch.float64, device=x.device) * v
+    f = float(v)
     if not math.isfinite(f) or (f <= 0 if positive else f < 0) or (upper is not None and f > upper):
         bound = "> 0" if positive else (f">= 0 and <= n = {upper}" if upper is not None else ">= 0")
         raise ValueError(f"{what}: {name} must be finite and {bound}, got {f}")
@@ -113,7 +120,7 @@ def _per_row(v, name: str, x: torch.Tensor, batch, *, positive: bool, upper=None
     return torch.full((rows,), f, dtype=torch.float64, device=x.device)
 
 
-def _check_values(v: torch.Tensor, name, *, positive, upper, integral, what):
+def _check_values(v: torch.Tensor, name, *, positive, upper, integral, what) -> None:
     if not bool(torch.isfinite(v).all()):
         raise ValueError(f"{what}: {name} must be finite")
     if positive and not bool((v > 0).all()):
@@ -132,7 +139,7 @@ def _method(method: str, what: str) -> int:
     return METHODS[method]
 
 
-def _prepare(x, k, temperature, dim, method, what, integral=False):
+def _prepare(x, k, temperature, dim, method, what, integral=False) -> tuple:
     n = _check_x(x, dim, what)
     rows_x, batch = _as_rows(x, dim)
     kk = _per_row(k, "k", x, batch, positive=False, upper=n, integral=integral, what=what)
@@ -148,12 +155,13 @@ def soft_topk(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *, dim: int
     0 <= k <= n) and `temperature` (> 0) are numbers or tensors broadcastable to x without
     `dim`; tensors that require grad get gradients. `largest=False` selects the smallest.
     `hard=True` (integral k) returns the exact hard top-k mask (exactly k ones; smaller
-    index wins ties) with the soft mask's gradient (straight-through). `method` forces
-    the solver ("sort" or "bracket"); the answer does not depend on it.
+    index wins ties) with the soft mask's gradient and forward-mode tangent
+    (straight-through). `method` forces the solver ("sort" or "bracket"); the answer
+    does not depend on it.
     Rows with NaN give NaN; +inf scores get 1 while the budget allows, -inf get 0.
     """
     rows_x, batch, kk, tt, m = _prepare(x, k, temperature, dim, method, "soft_topk", integral=hard)
-    p, _, _ = ops.soft_topk_forward(rows_x, kk, tt, largest, m, MODE_HARD if hard else MODE_SOFT)
+    p, _, _ = _ad.soft_topk_forward(rows_x, kk, tt, largest, m, MODE_HARD if hard else MODE_SOFT)
     return _from_rows(p, batch, dim)
 
 
@@ -162,7 +170,7 @@ def log_soft_topk(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *, dim:
     """log of soft_topk's mask, computed without cancellation (log p ~ (x - b)/t + log 1/2
     far below the threshold, where p itself underflows)."""
     rows_x, batch, kk, tt, m = _prepare(x, k, temperature, dim, method, "log_soft_topk")
-    p, _, _ = ops.soft_topk_forward(rows_x, kk, tt, largest, m, MODE_LOG)
+    p, _, _ = _ad.soft_topk_forward(rows_x, kk, tt, largest, m, MODE_LOG)
     return _from_rows(p, batch, dim)
 
 
@@ -171,7 +179,7 @@ def lapsum_threshold(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *, d
     """The threshold b of each row, float64, shaped like x without `dim`; differentiable
     in x, k and temperature. For largest=False the mask is F((b - x_i)/t)."""
     rows_x, batch, kk, tt, m = _prepare(x, k, temperature, dim, method, "lapsum_threshold")
-    b, _, _ = ops.lapsum_threshold(rows_x, kk, tt, largest, m)
+    b, _, _ = _ad.lapsum_threshold(rows_x, kk, tt, largest, m)
     return b.reshape(batch)
 
 
@@ -181,7 +189,7 @@ def lapsum_diagnostics(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *,
     ordered exactly and the bracket attempts. Stays on x's device: no host sync."""
     rows_x, batch, kk, tt, m = _prepare(x, k, temperature, dim, method, "lapsum_diagnostics")
     with torch.no_grad():
-        b, _, diag = ops.lapsum_threshold(rows_x, kk, tt, largest, m)
+        b, _, diag = _ad.lapsum_threshold(rows_x, kk, tt, largest, m)
     d = diag.reshape(*batch, 3)
     return LapSumInfo(b.reshape(batch), d[..., 0], d[..., 1], d[..., 2])
 
@@ -259,7 +267,9 @@ def _select_rows(rows_x: torch.Tensor, k: int, largest: bool, sorted: bool,
     """Top-k of each row of [rows, n]. The CPU kernel takes every dtype exactly; CUDA's
     selector takes floating rows, so narrow integer rows go to it as float32 (exact) and
     int32/int64 rows take a stable sort (O(n log n), torch.sort's cost)."""
-    if rows_x.is_floating_point() or rows_x.device.type != "cuda":
+    if rows_x.is_floating_point():
+        return _ad.topk(rows_x, k, largest, sorted, len_rows)
+    if rows_x.device.type != "cuda":
         return ops.topk(rows_x, k, largest, sorted, len_rows)
     if rows_x.dtype in _EXACT_IN_FP32:
         indices = ops.topk(rows_x.float(), k, largest, sorted, len_rows)[1]

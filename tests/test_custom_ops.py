@@ -48,6 +48,8 @@ def test_all_ops_registered():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fastlapsum::{name}", "CPU"), name
     for name in ("lapsum_threshold", "soft_topk_forward", "topk"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fastlapsum::{name}", "Autograd"), name
+    for name in OP_NAMES:  # vmap batching rules (fastlapsum/_autograd.py), not the slow fallback
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fastlapsum::{name}", "FuncTorchBatched"), name
 
 
 # ---- opcheck, op by op ---------------------------------------------------------------
