@@ -10,7 +10,7 @@ Every build switch is documented here and in README.md:
                                torch is a CUDA build (no GPU needed); 1: require it; 0: CPU only
     TORCH_CUDA_ARCH_LIST       GPU architectures; defaults to 9.0 (H100/H200) with no GPU visible
     MAX_JOBS                   parallel compile jobs (ninja)
-    FASTLAPSUM_DEBUG=1         -O0 -g, no fast math
+    FASTLAPSUM_DEBUG=1         -O0 -g, no fast math (otherwise -O3 and no debug info)
     FASTLAPSUM_BUILD_DIR       where objects, build/ and egg-info go (never the source tree);
                                default: a folder per checkout under ~/.cache/fastlapsum (kept,
                                so rebuilds are incremental), or a temporary one for a source
@@ -89,7 +89,8 @@ def want_cuda() -> bool:
 def extension():
     debug = os.environ.get("FASTLAPSUM_DEBUG", "0") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
-    cxx = list(opt)  # torch.utils.cpp_extension picks the C++ standard torch needs
+    # -g0 overrides the -g of Python's CFLAGS: debug info of torch's headers doubles the compile time
+    cxx = opt + ([] if debug else ["-g0"])  # torch.utils.cpp_extension picks the C++ standard torch needs
     sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
     if not sources:
         raise RuntimeError(f"no C++ sources under {os.path.abspath('csrc')}: run from the source tree")
