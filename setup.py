@@ -29,13 +29,23 @@ from setuptools import setup
 HERE = os.path.dirname(os.path.realpath(__file__))
 
 
+def major_minor(version: str):
+    return tuple(int(v) for v in version.split(".")[:2])
+
+
+def temporary_dir() -> str:
+    path = tempfile.mkdtemp(prefix="fastlapsum-build-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def require_torch():
     """The extension links against torch's C++ library, whose ABI changes with every release:
     it must be compiled with the headers of the torch it will run with. pip's default build
     isolation would build against a second, freshly downloaded torch (gigabytes, maybe another
     version), so torch is not in [build-system].requires and a build without it stops here."""
     try:
-        import torch  # noqa: F401
+        import torch
     except ImportError:
         isolated = any("pip-build-env" in p for p in sys.path)
         sys.exit(
@@ -44,6 +54,8 @@ def require_torch():
             "fastlapsum compiles against the torch it will run with. Install torch first, then:\n"
             "    pip install --no-build-isolation .\n"
         )
+    if major_minor(torch.__version__) < (2, 4):
+        sys.exit(f"\nfastlapsum needs torch >= 2.4 (torch.library's custom-op API); found {torch.__version__}.\n")
 
 
 require_torch()
@@ -61,14 +73,16 @@ def build_dir() -> str:
     if not path:
         tmp = os.path.realpath(tempfile.gettempdir())
         if HERE.startswith(tmp + os.sep):
-            path = tempfile.mkdtemp(prefix="fastlapsum-build-")
-            atexit.register(shutil.rmtree, path, True)
+            path = temporary_dir()
         else:
             cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
             tag = hashlib.sha1(HERE.encode()).hexdigest()[:8]  # the Makefile's BUILD_DIR names it alike
             path = os.path.join(cache, "fastlapsum", f"{os.path.basename(HERE)}-{tag}", "setup")
     path = os.path.abspath(path)
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:  # e.g. no writable home: a temporary folder rather than the source tree
+        path = temporary_dir()
     return path
 
 
@@ -109,7 +123,7 @@ def extension():
 
 def torch_requirement() -> str:
     """The binary runs only with the torch release it was compiled against (major.minor)."""
-    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+    major, minor = major_minor(torch.__version__)
     return f"torch>={major}.{minor}.0a0,<{major}.{minor + 1}"
 
 
