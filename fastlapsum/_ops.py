@@ -124,5 +124,5 @@ def _backward_topk(ctx, grad_values, grad_indices):
 torch.library.register_autograd("fastlapsum::topk", _backward_topk, setup_context=_setup_topk)
 
 
-# On CUDA every op is a native kernel (csrc/*/*_cuda.cu): soft_topk_forward fuses the
+# On CUDA every op is a native kernel (csrc/cuda/): soft_topk_forward fuses the
 # threshold and the mask for short rows and takes its hard mask from the exact selector.

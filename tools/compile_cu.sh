@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compile-check CUDA sources one by one for sm_90 without building the extension
-# (no GPU needed): tools/compile_cu.sh csrc/forward/threshold_cuda.cu [more.cu ...]
+# (no GPU needed): tools/compile_cu.sh csrc/cuda/soft/threshold_cuda.cu [more.cu ...]
 # Uses the torch of .venv (or $PY); objects go to /tmp and are thrown away. NVCC_EXTRA adds
 # flags (e.g. NVCC_EXTRA="-Xptxas -v" for registers and spills). The object's SASS (e.g. to count
 # local loads inside a loop) needs cuobjdump, which this machine's CUDA lacks; PyPI has it:
