@@ -54,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cuda(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cuda(
     const at::Tensor& grad_b, const at::Tensor& x, const at::Tensor& b, const at::Tensor& t,
     bool largest);
-// Exact hard top-k (csrc/hard_topk/topk_cuda.cu); lengths read on the device.
+// Exact hard top-k (csrc/cuda/topk/topk_cuda.cu); lengths read on the device.
 std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x, int64_t k, bool largest,
                                              bool sorted, const std::optional<at::Tensor>& lengths);
 // hard=true mask on the GPU: exactly round(k_r) ones per row (smaller index wins ties);

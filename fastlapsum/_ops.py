@@ -70,7 +70,7 @@ def _(x, k, largest, sorted, lengths):
     return x.new_empty((rows, k)), x.new_empty((rows, k), dtype=torch.int64)
 
 
-# On CUDA every op is a native kernel (csrc/*/*_cuda.cu): soft_topk_forward fuses the
+# On CUDA every op is a native kernel (csrc/cuda/): soft_topk_forward fuses the
 # threshold and the mask for short rows and takes its hard mask from the exact selector.
 
 from . import _autograd  # noqa: E402,F401  (registers the Autograd kernels and vmap rules)

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from . import _autograd as _ad
-from ._ops import METHODS, MODE_HARD, MODE_LOG, MODE_SOFT
+from ._ops import METHODS, MODE_HARD, MODE_LOG, MODE_SOFT, ops
 
 Number = Union[int, float]
 Budget = Union[Number, torch.Tensor]

@@ -1,4 +1,4 @@
-"""Native CUDA exact top-k (csrc/hard_topk/topk_cuda.cu) against the CPU op.
+"""Native CUDA exact top-k (csrc/cuda/topk/topk_cuda.cu) against the CPU op.
 
 Exactness here is stronger than DESIGN §2's criterion: with sorted=True the CUDA op
 must return the very same indices and values as the CPU op (the deterministic

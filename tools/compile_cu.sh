@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Compile-check CUDA sources one by one for sm_90 without building the extension
-# (no GPU needed): tools/compile_cu.sh csrc/forward/threshold_cuda.cu [more.cu ...]
+# (no GPU needed): tools/compile_cu.sh csrc/cuda/soft/threshold_cuda.cu [more.cu ...]
 # Uses the torch of .venv (or $PY); objects go to /tmp and are thrown away. NVCC_EXTRA adds
 # flags (e.g. NVCC_EXTRA="-Xptxas -v" for registers and spills). The object's SASS (e.g. to count
-# local loads inside a loop) needs cuobjdump, which this machine's CUDA lacks; PyPI has it:
-#   pip download --no-deps nvidia-cuda-cuobjdump && unzip the wheel; nvidia/cu13/bin/cuobjdump -sass /tmp/X.cu.o
+# local loads inside a loop) needs cuobjdump and nvdisasm, which this machine's CUDA lacks; PyPI
+# has both: pip download --no-deps nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm, unzip the wheels,
+# put nvidia/cu13/bin on PATH, then cuobjdump -sass /tmp/X.cu.o
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

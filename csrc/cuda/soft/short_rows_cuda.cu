@@ -9,8 +9,8 @@
 
 #include <cstdint>
 
-#include "../common/cuda_launch.cuh"
-#include "../common/gpu_rows.cuh"
+#include "../../common/cuda_launch.cuh"
+#include "../../common/gpu_rows.cuh"
 #include "sorted_solve.cuh"
 #include "threshold_cuda.h"
 

@@ -1,5 +1,5 @@
 // The on-chip sort solver of DESIGN §1.1, shared by the short-row kernel (a whole row,
-// short_rows_cuda.cu) and the long-row solver's sorted middle set (threshold_cuda.cu): one
+// short_rows_cuda.cu) and the long-row solver's sorted middle set (sorted_middle.cuh): one
 // CTA sorts the finite scores in shared memory (a bucket pass by value, or CUB's block radix
 // sort where the buckets would be crowded) and scans them.
 //
@@ -22,7 +22,7 @@
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 
-#include "../common/lapsum_math.h"
+#include "../../common/lapsum_math.h"
 
 namespace fastlapsum {
 

@@ -4,11 +4,11 @@
 
 #include <type_traits>
 
-#include "../common/cuda_launch.cuh"
-#include "../common/gpu_rows.cuh"
-#include "../common/lapsum_math.h"
-#include "../common/op_io.h"
-#include "../ops.h"
+#include "../../common/cuda_launch.cuh"
+#include "../../common/gpu_rows.cuh"
+#include "../../common/lapsum_math.h"
+#include "../../common/op_io.h"
+#include "../../ops.h"
 
 namespace fastlapsum {
 namespace {

@@ -1,13 +1,13 @@
 // soft_topk_forward on CUDA: the threshold and the mask in as few passes as the row
 // shape allows. Short rows run the fused on-chip kernel (one read, one write); longer
 // rows solve for b and then write the mask; hard mode takes its mask from the exact
-// selector (csrc/hard_topk/topk_cuda.cu) and still solves b for the backward.
+// selector (../topk/topk_cuda.cu) and still solves b for the backward.
 #include <torch/library.h>
 
-#include "../common/cuda_launch.cuh"
-#include "../common/lapsum_math.h"
-#include "../common/op_io.h"
-#include "../ops.h"
+#include "../../common/cuda_launch.cuh"
+#include "../../common/lapsum_math.h"
+#include "../../common/op_io.h"
+#include "../../ops.h"
 #include "threshold_cuda.h"
 
 namespace fastlapsum {

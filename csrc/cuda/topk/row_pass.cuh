@@ -1,0 +1,110 @@
+// Helpers of the passes over a row: the fp32 bound of a threshold key (both paths), the
+// ordered block-wide compaction (the per-row kernel), the fixed-stride sample's stride and
+// offset (both paths).
+#pragma once
+
+#include "../../common/tile_scan.cuh"
+#include "params.cuh"
+
+namespace fastlapsum {
+namespace {
+
+// The fp32 score of a threshold key, so that key(v) >= key becomes v >= it (and key(v) <=
+// key, v <= it), at worst for a superset: the key below +0's decodes to -0, and keys that
+// decode to NaN (beyond +inf's or -inf's) bound at that infinity.
+__device__ __forceinline__ float key_bound(uint32_t key) {
+  const float f = key_to_float(key);
+  return f == f ? f : (key >= 0x80000000u ? INFINITY : -INFINITY);
+}
+
+// Deterministic block-wide compaction over a row: tiles in row order, and inside a tile
+// each thread's items at offsets from one block scan (no atomics: the order of the
+// compacted items is a fixed function of the input). pred(score, i) selects (on the fp32
+// score: a key per score would cost the pass its ALU-pipe budget); sink(pos, key, i)
+// receives the selected items at consecutive positions. Returns the count.
+// This is the row kernel's one full pass, so it is lean: each score is tested once, on its
+// fp32 value (a bit per score), indices are 32-bit (rows are < 2^32 scores), only threads
+// with a hit revisit their scores, and the next tile's loads are issued before a tile is
+// tested, so that they are in flight across its scan's barriers (a CTA's loads would
+// otherwise come in bursts, one tile at a time). One barrier per tile, the scan's
+// (tile_exclusive_sum): tiles alternate between two warp-total arrays, and an array is
+// written again only after the barrier of the scan in between, which every thread reaches
+// after reading its prefix.
+template <int kT, typename T, typename Pred, typename Sink>
+__device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, bool aligned, uint32_t flip,
+                                        uint32_t (&tot)[2][kT / 32], Pred&& pred, Sink&& sink) {
+  constexpr int V = 16 / sizeof(T), U = row_unroll<T>();
+  static_assert(U * V <= 32, "one bit per score of a thread's tile");
+  // Vector indices in 32 bits (a row has < 2^32 scores, so < 2^30 vectors): the loop runs at
+  // the kernel's register cap, and 64-bit counters take a register pair each.
+  const uint32_t nv = static_cast<uint32_t>((L + V - 1) / V), whole = static_cast<uint32_t>(L / V);
+  constexpr uint32_t step = uint32_t(kT) * U;
+  const auto load_tile = [&](int4(&raw)[U], uint32_t v0) {
+    if (aligned && v0 + step <= whole) {  // a whole aligned tile (uniform): no per-vector checks
+      const int4* p = reinterpret_cast<const int4*>(xr) + v0 + threadIdx.x;
+#pragma unroll
+      for (int u = 0; u < U; ++u) raw[u] = __ldg(p + u * kT);
+      return;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint32_t v = v0 + u * kT + threadIdx.x;
+      if (v < nv) raw[u] = load_raw_vec<T>(xr, v, L, aligned);
+    }
+  };
+  const auto score = [&](const int4(&raw)[U], int u, int e) { return raw_score<T>(raw[u], e); };
+  uint32_t base = 0;
+  int par = 0;  // the warp-total array of this tile
+  int4 cur[U], next[U];
+  load_tile(cur, 0);
+  for (uint32_t v0 = 0; v0 < nv; v0 += step) {
+    if (v0 + step < nv) load_tile(next, v0 + step);
+    const uint32_t i0 = (v0 + threadIdx.x) * V;  // score (u, e) is i0 + u*kT*V + e
+    uint32_t bits = 0;
+    if (v0 + step <= whole) {  // whole tile (uniform in the block)
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int e = 0; e < V; ++e)
+          bits |= static_cast<uint32_t>(pred(score(cur, u, e), i0 + u * kT * V + e)) << (u * V + e);
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const int64_t i = int64_t(v0 + u * kT + threadIdx.x) * V + e;
+          if (i < L && pred(score(cur, u, e), static_cast<uint32_t>(i))) bits |= 1u << (u * V + e);
+        }
+    }
+    uint32_t agg;
+    uint32_t pos = tile_exclusive_sum<kT>(static_cast<uint32_t>(__popc(bits)), tot[par], agg);
+    // Only the set bits: a test per score here cost the pass as much as the scores' own
+    // compares (every warp has a thread with a hit). The rare hits re-read their score, an
+    // L1 hit, since a register can only be picked by a constant index.
+    pos += base;
+    for (uint32_t b = bits; b != 0; b &= b - 1, ++pos) {
+      const int k = __ffs(b) - 1;
+      const uint32_t i = i0 + (k / V) * kT * V + k % V;
+      sink(pos, float_key(to_float(xr[i])) ^ flip, i);
+    }
+    base += agg;
+    par ^= 1;
+#pragma unroll
+    for (int u = 0; u < U; ++u) cur[u] = next[u];
+  }
+  __syncthreads();  // the caller may reuse the warp totals
+  return base;
+}
+
+// The fixed-stride sample: groups of 8 contiguous scores (one 32 B sector) every 8 s
+// scores, the first at a row-dependent offset (a multiple of 8 below 8 s).
+__device__ __forceinline__ int64_t row_sample_stride(int64_t take) {  // the row kernel's s
+  const int64_t s = take / 27;
+  return s < 1 ? 1 : (s > 64 ? 64 : s);
+}
+__device__ __forceinline__ int64_t sample_offset(int64_t r, int64_t s) {
+  return static_cast<int64_t>(mix32(static_cast<uint32_t>(r) * 0x9E3779B9u + 0x7F4A7C15u) % static_cast<uint32_t>(s)) * 8;
+}
+
+}  // namespace
+}  // namespace fastlapsum

@@ -1,0 +1,48 @@
+// The measured tuning of the CUDA top-k (topk_cuda.cu): the kernels' block sizes, unrolls and
+// buffers, and the numbers of the host's dispatch between the per-row kernel and the grid path.
+#pragma once
+
+#include <cstdint>
+
+namespace fastlapsum {
+namespace {
+
+// 512-thread row CTAs, two an SM: for fp32 rows the row pass streams best so; 16-bit rows
+// (half the bytes, so a CTA's fixed phases weigh more) run a 256-thread build, four an SM.
+constexpr int kBlock = 512;
+constexpr int kBins = 2048;
+constexpr int kUnroll = 2;     // grid kernels with staged compaction (tile <= kStageItems)
+// streaming passes: 16-byte loads in flight per thread (64 B per thread either way; a
+// 16-bit row at 4 would hold 32 floats per thread and spill)
+template <typename T>
+constexpr int row_unroll() { return sizeof(T) >= 4 ? 4 : 2; }
+constexpr int64_t kQuarterCap = 5632;  // 256-thread row CTAs' candidate buffer (four an SM)
+constexpr int kStageItems = 8192;  // grid kernels: staged composites per CTA tile (64 KiB)
+constexpr int64_t kHeadPrefetchBytes = 64 * 1024;  // row kernel: the row's first two tiles
+constexpr int kSampleUnroll = 8;  // row kernel: independent sample loads in flight per thread
+
+// The row kernel's sampled path needs a candidate buffer of 2.5x the budget (its threshold
+// admits ~1.75x): else the row takes the exact fallback.
+__host__ __device__ inline bool sample_fits(double take, double cap) { return 2.5 * take <= cap; }
+
+// The host's dispatch (topk_cuda.cu), fitted to H200 timings of 1-64 rows x 64K-1M scores.
+struct TopkTuningSm90 {
+  // The grid path is a candidate for rows <= kGridMaxRows of n >= kGridMinN scores only.
+  static constexpr int kGridMaxRows = 64;
+  static constexpr int64_t kGridMinN = 65536;
+  // Cost estimates (us): the grid path's launches plus kGridScoresPerUs scores a microsecond;
+  // the per-row kernel's fixed phases plus a round trip per load in flight of its row.
+  static constexpr double kGridFixedUs = 35.0, kGridScoresPerUs = 625000.0;
+  static constexpr double kRowFixedUs = 17.0, kRowRoundTripUs = 0.8;
+  // The per-row kernel's candidate buffer (8-byte entries): kRowCapPerK x the budget rounded
+  // up to kRowCapRound, clamped to [kRowCapMin, kRowCapMax]; hard_mask's is kMaskRowCap.
+  static constexpr int64_t kRowCapPerK = 4, kRowCapRound = 256, kRowCapMin = 2048, kRowCapMax = 24576;
+  static constexpr int64_t kMaskRowCap = 8192;
+  // The grid path's candidate buffer per row: the budget + 1/8 (mask: n/4) + kGridCapSlack,
+  // at most kGridCapTotal entries over all rows.
+  static constexpr int64_t kGridCapSlack = 65536, kGridCapTotal = int64_t(1) << 27;
+};
+using TopkTuning = TopkTuningSm90;
+
+}  // namespace
+}  // namespace fastlapsum
