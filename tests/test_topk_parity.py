@@ -190,7 +190,8 @@ def test_zero_dim_input(device, dtype):
             got = fastlapsum.topk(x, k, dim=dim)
             assert got.values.shape == () and got.indices.shape == ()
             assert got.values.item() == x.item() and got.indices.item() == 0
-            if dtype != torch.bool:
+            # torch.topk on a 0-d CUDA tensor with k = 0 returns uninitialised memory
+            if dtype != torch.bool and (k == 1 or device == "cpu"):
                 assert_same(got, torch.topk(x, k, dim=dim))
     with pytest.raises(ValueError, match=r"\bk\b"):
         fastlapsum.topk(x, 2)
