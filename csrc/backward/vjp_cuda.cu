@@ -1,17 +1,19 @@
-// CUDA closed-form VJPs (DESIGN §1.3): one reduction pass writing per-block partial
-// sums, then one elementwise pass whose blocks first fold their row's partials in a
-// fixed order (deterministic, no atomics, no host sync).
+// CUDA closed-form VJPs (DESIGN §1.3, docs/GRADIENTS.md): one reduction pass writing
+// per-block partial sums, one block per row folding them in a fixed order into the row's
+// coefficients (deterministic, no atomics, no host sync), then one elementwise pass.
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
 #include <cub/block/block_reduce.cuh>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "../common/cuda_launch.cuh"
 #include "../common/gpu_rows.cuh"
 #include "../common/op_io.h"
 #include "../common/vjp_math.h"
+#include "vjp_terms_f32.cuh"
 #include "../ops.h"
 
 namespace fastlapsum {
@@ -27,82 +29,9 @@ struct SumOp {
   }
 };
 
-// e^{-x} for x >= 0 (+inf: 0) in fp32, one MUFU op (ex2.approx.ftz, ~2 ulp) of an argument
-// prescaled in fp64.
-__device__ __forceinline__ float exp2_neg(double x2) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(-static_cast<float>(x2)));
-  return y;
-}
-constexpr double kLog2e = 1.4426950408889634;
-
-// e^{-x} for folding a vector's sums into a thread's: a ratio of sums does not see the
-// rounding of a factor they share.
-struct ExpNegF32 {
-  __device__ double operator()(double x) const { return static_cast<double>(exp2_neg(x * kLog2e)); }
-};
-
-// The elements of one fp32/fp16/bf16 row (fp64 rows use vjp_term): the distance d = s - b
-// and its offsets from the row's reference in fp64 (in saturated rows the weighted scores
-// sit many t from b, where an fp32 d would move a weight by |d|/t fp32 ulps), the
-// weights' exponentials in fp32 (one MUFU op, ex2.approx.ftz) and the sums per vector in
-// fp32. An infinite or NaN d (an infinite score or threshold) has a = +inf: no weight and
-// no term, as in vjp_term.
-struct VjpTermsF32 {
-  float sign;
-  double b, l2;  // l2 = log2(e)/t
-  __device__ VjpTermsF32(double sign_d, double b_, double inv_t)
-      : sign(static_cast<float>(sign_d)), b(b_), l2(fmin(inv_t * kLog2e, 1.7976931348623157e308)) {}
-  // x: the element as stored (the row's sign not yet applied)
-  __device__ __forceinline__ double dist(float x) const { return static_cast<double>(sign * x) - b; }
-  __device__ __forceinline__ static double abs_dist(double d) { return is_finite(d) ? fabs(d) : INFINITY; }
-  // e^{-x/t} for a distance x >= 0 (+inf: 0; l2 is capped so that x = 0 gives 1)
-  __device__ __forceinline__ float exp_neg(double x) const { return exp2_neg(x * l2); }
-};
-
-// One vector's sums in fp32, relative to its own nearest element (m = its |d|, dref = its d).
-template <int V>
-__device__ __forceinline__ VjpSums vector_sums(const VjpTermsF32& term, const float (&xv)[V],
-                                               const float (&gv)[V], int valid, bool log_mode) {
-  // two passes over the vector's registers, d recomputed (an fp64 array of V would halve
-  // the kernel's occupancy): its nearest element, then the sums relative to it
-  double amin = INFINITY, dref = 0.0;
-#pragma unroll
-  for (int q = 0; q < V; ++q) {
-    const double d = term.dist(xv[q]), a = q < valid ? VjpTermsF32::abs_dist(d) : INFINITY;
-    if (a < amin) {
-      amin = a;
-      dref = d;
-    }
-  }
-  VjpSums v;
-  if (!(amin < INFINITY)) return v;
-  float tw = 0.0f, G = 0.0f, twd = 0.0f, Gd = 0.0f, Ga = 0.0f, Gad = 0.0f;
-#pragma unroll
-  for (int q = 0; q < V; ++q) {
-    const double d = term.dist(xv[q]), a = q < valid ? VjpTermsF32::abs_dist(d) : INFINITY;
-    if (!(a < INFINITY)) continue;
-    const float wh = 0.5f * term.exp_neg(a - amin), dd = static_cast<float>(d - dref);
-    float gw = gv[q];
-    if (log_mode) {
-      if (d <= 0.0) {  // log p = u + log 1/2: an absolute term
-        Ga += gv[q];
-        Gad += gv[q] * dd;
-        gw = 0.0f;
-      } else {  // d log p / d u = tw / p
-        gw = gv[q] / (1.0f - 0.5f * term.exp_neg(a));
-      }
-    }
-    tw += wh;
-    twd += wh * dd;
-    G += gw * wh;
-    Gd += gw * wh * dd;
-  }
-  v.m = amin;
-  v.dref = dref;
-  v.tw = tw; v.G = G; v.twd = twd; v.Gd = Gd; v.Ga = Ga; v.Gad = Gad;
-  return v;
-}
+// Elements per group of the fp32 reduction: the fp32 sums of a group are folded into the
+// thread's fp64 ones at once (two 16-byte vectors of fp32, one of fp16/bf16).
+constexpr int kGroup = 8;
 
 // the threshold VJP has no upstream tensor (grad == nullptr)
 template <typename scalar_t>
@@ -112,6 +41,7 @@ __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scala
                                   double sign, bool log_mode) {
   begin_dependent_grid();
   constexpr int V = vec_width<scalar_t>();
+  constexpr int U = kGroup / V;  // vectors per group (stream tile)
   using Reduce = cub::BlockReduce<VjpSums, kThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
@@ -124,11 +54,28 @@ __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scala
         for (int q = 0; q < V; ++q)  // constant indices: xv, gv stay in registers
           if (q < valid) acc.add(vjp_term(sign * xv[q], br, inv_t, gv[q], log_mode), inv_t);
       });
-    } else {  // fp32 terms, summed per vector in fp32, then in fp64
-      const VjpTermsF32 term(sign, br, inv_t);
-      stream_row<scalar_t, float>(x + r * n, gr, n, [&](const float(&xv)[V], const float(&gv)[V], int valid, int64_t) {
-        acc.merge(vector_sums<V>(term, xv, gv, valid, log_mode), inv_t, ExpNegF32{});
-      });
+    } else {
+      const RowF32 row(sign, br, inv_t);
+      if (row.pairs) {  // the usual row: float-pair distances, fp32 sums per group, fp64 across groups
+        stream_row_tiles<scalar_t, float, U>(x + r * n, gr, n, [&](const float(&xv)[U][V], const float(&gv)[U][V],
+                                                                   const int(&valid)[U], int64_t) {
+          float xs[kGroup], gs[kGroup];
+          bool ok[kGroup];
+#pragma unroll
+          for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int q = 0; q < V; ++q) {
+              xs[u * V + q] = xv[u][q];
+              gs[u * V + q] = gv[u][q];
+              ok[u * V + q] = q < valid[u];
+            }
+          acc.merge(group_sums<kGroup>(row, xs, gs, ok, log_mode), inv_t, ExpNegF32{});
+        });
+      } else {
+        stream_row<scalar_t, float>(x + r * n, gr, n, [&](const float(&xv)[V], const float(&gv)[V], int valid, int64_t) {
+          acc.merge(vector_sums_f64d<V>(row, xv, gv, valid, log_mode), inv_t, ExpNegF32{});
+        });
+      }
     }
     const VjpSums total = Reduce(tmp).Reduce(acc, SumOp{inv_t});
     if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x] = total;
@@ -136,41 +83,63 @@ __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scala
   }
 }
 
-// Sum a row's partials in a fixed order (the same answer every run): thread j folds
-// partials j, j + kThreads, ..., then one block reduction. All threads load, so the
-// elementwise pass does not wait on one warp's chain of loads.
-__device__ VjpSums fold_partials(const VjpSums* partial, int chunks, double inv_t) {
+// A row's partials summed in a fixed order (the same answer every run) into its VJP
+// coefficients, by the whole block; every thread gets them. grad_b: the threshold's VJP
+// (mask false).
+__device__ RowVjp fold_row(const VjpSums* __restrict__ partial, int chunks, const double* __restrict__ grad_b,
+                           int64_t r, double br, double tr, double sign, bool mask, bool log_mode) {
   using Reduce = cub::BlockReduce<VjpSums, kThreads>;
   __shared__ typename Reduce::TempStorage tmp;
-  __shared__ VjpSums row_sum;
+  __shared__ RowVjp row;
+  const double inv_t = inv_temperature(tr);
   VjpSums acc;
   for (int c = threadIdx.x; c < chunks; c += kThreads) acc.merge(partial[c], inv_t);
-  const VjpSums total = Reduce(tmp).Reduce(acc, SumOp{inv_t});
-  if (threadIdx.x == 0) row_sum = total;
+  const VjpSums s = Reduce(tmp).Reduce(acc, SumOp{inv_t});
+  if (threadIdx.x == 0) row = mask ? mask_vjp(s, br, tr, log_mode) : threshold_vjp(s, grad_b[r], br, tr, sign);
   __syncthreads();
-  const VjpSums s = row_sum;
+  const RowVjp v = row;
   __syncthreads();
-  return s;
+  return v;
 }
 
-// d L / d x for both VJPs: of the mask (grad given) or of the threshold (grad == nullptr,
-// grad_b given: one value per row). Each element's weight is taken relative to the row's
-// nearest score (wh = tw e^{m/t}), so it does not underflow where tw alone would. Bounded
-// to 3 blocks per SM (80 registers, no spills on sm_90).
+// One block per row folds its partials once, so that the elementwise pass reads the
+// coefficients instead of each of its blocks folding them (rows of many blocks).
+__global__ void __launch_bounds__(kThreads) vjp_finalize_kernel(const VjpSums* __restrict__ partial, int chunks,
+                                                                const double* __restrict__ grad_b,
+                                                                const double* __restrict__ b, const double* __restrict__ t,
+                                                                RowVjp* __restrict__ coef, double* __restrict__ gk,
+                                                                double* __restrict__ gt, int64_t rows, double sign,
+                                                                bool mask, bool log_mode) {
+  begin_dependent_grid();
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const RowVjp v = fold_row(partial + r * chunks, chunks, grad_b, r, sign * b[r], t[r], sign, mask, log_mode);
+    if (threadIdx.x == 0) {
+      coef[r] = v;
+      gk[r] = v.grad_k;
+      gt[r] = v.grad_t;
+    }
+  }
+}
+
+// d L / d x for both VJPs: of the mask (grad given) or of the threshold (grad == nullptr:
+// its coefficients carry grad_b). Each element's weight is taken relative to the row's
+// nearest score (wh = tw e^{m/t}), so it does not underflow where tw alone would.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads, 3) vjp_apply_kernel(const scalar_t* __restrict__ grad, const double* __restrict__ grad_b,
+__global__ void __launch_bounds__(kThreads, 3) vjp_apply_kernel(const scalar_t* __restrict__ grad,
                                  const scalar_t* __restrict__ x, const double* __restrict__ b,
-                                 const double* __restrict__ t, const VjpSums* __restrict__ partial,
-                                 scalar_t* __restrict__ gx, double* __restrict__ gk, double* __restrict__ gt,
-                                 int64_t rows, int64_t n, double sign, bool log_mode) {
+                                 const double* __restrict__ t, const RowVjp* __restrict__ coef,
+                                 const VjpSums* __restrict__ partial, const double* __restrict__ grad_b,
+                                 double* __restrict__ gk, double* __restrict__ gt,
+                                 scalar_t* __restrict__ gx, int64_t rows, int64_t n, double sign, bool log_mode) {
   begin_dependent_grid();
   constexpr int V = vec_width<scalar_t>();
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const double br = sign * b[r], tr = t[r], inv_t = inv_temperature(tr);
-    const VjpSums sums = fold_partials(partial + r * gridDim.x, gridDim.x, inv_t);
-    const RowVjp v = grad != nullptr ? mask_vjp(sums, br, tr, log_mode)
-                                     : threshold_vjp(sums, grad_b[r], br, tr, sign);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const double br = sign * b[r], inv_t = inv_temperature(t[r]);
+    // coef == nullptr: few partials a row, each block folds them (one launch fewer)
+    const RowVjp v = coef != nullptr ? coef[r]
+                                     : fold_row(partial + r * gridDim.x, gridDim.x, grad_b, r, br, t[r], sign,
+                                                grad != nullptr, log_mode);
+    if (coef == nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
       gk[r] = v.grad_k;
       gt[r] = v.grad_t;
     }
@@ -181,31 +150,183 @@ __global__ void __launch_bounds__(kThreads, 3) vjp_apply_kernel(const scalar_t* 
       stream_row<scalar_t>(x + r * n, gr, n, [&](const double(&xv)[V], const double(&gv)[V], int valid, int64_t i0) {
         double o[V];
 #pragma unroll
-        for (int q = 0; q < V; ++q) {
-          const VjpTerm e = vjp_term(sign * xv[q], br, inv_t, 0.0, false);  // a and d only
-          const double wh = 0.5 * exp(-(e.a - v.m) * inv_t);
-          o[q] = sign * v.grad_score(wh, gv[q], e.d, e.a);
-        }
+        for (int q = 0; q < V; ++q) o[q] = grad_f64(sign, br, inv_t, v, xv[q], gv[q]);
         store_vec<scalar_t, V>(out, n, i0, aligned && valid == V, o);
       });
-    } else {  // fp32 weights; the row's coefficients can exceed fp32, so they combine in fp64
-      const VjpTermsF32 term(sign, br, inv_t);
+    } else {
+      const RowF32 row(sign, br, inv_t);
+      const RowCoefF32 cf(v);
       stream_row<scalar_t, float>(x + r * n, gr, n, [&](const float(&xv)[V], const float(&gv)[V], int valid, int64_t i0) {
-        double o[V];
+        float o[V];
 #pragma unroll
-        for (int q = 0; q < V; ++q) {
-          const double d = term.dist(xv[q]), a = VjpTermsF32::abs_dist(d);
-          o[q] = sign * v.grad_score(0.5f * term.exp_neg(a - v.m), gv[q], d, a);
-        }
+        for (int q = 0; q < V; ++q) o[q] = grad_f32(row, cf, v, xv[q], gv[q], log_mode);
         store_vec<scalar_t, V>(out, n, i0, aligned && valid == V, o);
       });
     }
   }
 }
 
-// [rows, chunks] partial sums: a workspace from the caching allocator
-at::Tensor partial_workspace(const at::Tensor& x, const dim3& grid) {
-  return at::empty({x.size(0) * int64_t(grid.x) * int64_t(sizeof(VjpSums))}, x.options().dtype(at::kByte));
+// Short rows (n <= 32 * kItems), one warp per row: the row in registers, its sums reduced
+// across the warp in a fixed order, its coefficients from lane 0, d L / d x written from
+// the registers. One launch for the whole batch (the three-launch path gives such a row a
+// block of mostly idle threads per launch).
+constexpr int kWarpRowsThreads = 256;
+constexpr int kWarpRowsMaxItems = 32;  // rows up to 1024 scores
+
+__device__ __forceinline__ VjpSums shfl_down_sums(const VjpSums& s, int off) {
+  VjpSums o;
+  o.m = __shfl_down_sync(0xffffffffu, s.m, off);
+  o.dref = __shfl_down_sync(0xffffffffu, s.dref, off);
+  o.tw = __shfl_down_sync(0xffffffffu, s.tw, off);
+  o.G = __shfl_down_sync(0xffffffffu, s.G, off);
+  o.twd = __shfl_down_sync(0xffffffffu, s.twd, off);
+  o.Gd = __shfl_down_sync(0xffffffffu, s.Gd, off);
+  o.Ga = __shfl_down_sync(0xffffffffu, s.Ga, off);
+  o.Gad = __shfl_down_sync(0xffffffffu, s.Gad, off);
+  return o;
+}
+__device__ __forceinline__ RowVjp shfl_row(const RowVjp& v) {
+  RowVjp o;
+  o.grad_k = __shfl_sync(0xffffffffu, v.grad_k, 0);
+  o.grad_t = __shfl_sync(0xffffffffu, v.grad_t, 0);
+  o.K = __shfl_sync(0xffffffffu, v.K, 0);
+  o.c = __shfl_sync(0xffffffffu, v.c, 0);
+  o.E = __shfl_sync(0xffffffffu, v.E, 0);
+  o.inv_t = __shfl_sync(0xffffffffu, v.inv_t, 0);
+  o.m = __shfl_sync(0xffffffffu, v.m, 0);
+  o.log_mode = __shfl_sync(0xffffffffu, v.log_mode, 0);
+  o.nan = __shfl_sync(0xffffffffu, v.nan, 0);
+  return o;
+}
+
+template <typename scalar_t, int kItems>
+__global__ void __launch_bounds__(kWarpRowsThreads) vjp_warp_rows_kernel(
+    const scalar_t* __restrict__ grad, const double* __restrict__ grad_b, const scalar_t* __restrict__ x,
+    const double* __restrict__ b, const double* __restrict__ t, scalar_t* __restrict__ gx, double* __restrict__ gk,
+    double* __restrict__ gt, int64_t rows, int64_t n, double sign, bool log_mode) {
+  begin_dependent_grid();
+  using Val = compute_t<scalar_t>;
+  constexpr int G = kItems < kGroup ? kItems : kGroup;
+  constexpr int kWarps = kWarpRowsThreads / 32;
+  const int lane = threadIdx.x & 31;
+  for (int64_t r = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; r < rows; r += int64_t(gridDim.x) * kWarps) {
+    const scalar_t* xr = x + r * n;
+    const scalar_t* gr = grad == nullptr ? nullptr : grad + r * n;
+    const double br = sign * b[r], tr = t[r], inv_t = inv_temperature(tr);
+    Val xv[kItems], gv[kItems];
+    bool ok[kItems];
+#pragma unroll
+    for (int q = 0; q < kItems; ++q) {  // item q of lane l: element 32 q + l (coalesced)
+      const int64_t i = int64_t(q) * 32 + lane;
+      ok[q] = i < n;
+      xv[q] = ok[q] ? static_cast<Val>(xr[i]) : Val(0);
+      gv[q] = ok[q] && gr != nullptr ? static_cast<Val>(gr[i]) : Val(0);
+    }
+    VjpSums acc;
+    if constexpr (std::is_same<scalar_t, double>::value) {
+#pragma unroll
+      for (int q = 0; q < kItems; ++q)
+        if (ok[q]) acc.add(vjp_term(sign * xv[q], br, inv_t, gv[q], log_mode), inv_t);
+    } else {
+      const RowF32 row(sign, br, inv_t);
+#pragma unroll
+      for (int q0 = 0; q0 < kItems; q0 += G) {
+        float xs[G], gs[G];
+        bool oks[G];
+        int valid = 0;  // a lane's valid items are a prefix
+#pragma unroll
+        for (int q = 0; q < G; ++q) {
+          xs[q] = xv[q0 + q];
+          gs[q] = gv[q0 + q];
+          oks[q] = ok[q0 + q];
+          valid += oks[q];
+        }
+        acc.merge(row.pairs ? group_sums<G>(row, xs, gs, oks, log_mode) : vector_sums_f64d<G>(row, xs, gs, valid, log_mode),
+                  inv_t, ExpNegF32{});
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {  // a fixed tree towards lane 0
+      const VjpSums o = shfl_down_sums(acc, off);
+      if (lane < off) acc.merge(o, inv_t);
+    }
+    RowVjp v{};
+    if (lane == 0) {
+      v = grad != nullptr ? mask_vjp(acc, br, tr, log_mode) : threshold_vjp(acc, grad_b[r], br, tr, sign);
+      gk[r] = v.grad_k;
+      gt[r] = v.grad_t;
+    }
+    v = shfl_row(v);
+    scalar_t* out = gx + r * n;
+    if constexpr (std::is_same<scalar_t, double>::value) {
+#pragma unroll
+      for (int q = 0; q < kItems; ++q)
+        if (ok[q]) out[int64_t(q) * 32 + lane] = grad_f64(sign, br, inv_t, v, xv[q], gv[q]);
+    } else {
+      const RowF32 row(sign, br, inv_t);
+      const RowCoefF32 cf(v);
+#pragma unroll
+      for (int q = 0; q < kItems; ++q)
+        if (ok[q]) out[int64_t(q) * 32 + lane] = static_cast<scalar_t>(grad_f32(row, cf, v, xv[q], gv[q], log_mode));
+    }
+  }
+}
+
+// The warp-per-row kernel for rows of at most 32 * kWarpRowsMaxItems scores: the fewest
+// items per lane that hold the row (padding costs registers and idle lanes).
+template <typename scalar_t>
+bool launch_warp_rows(const BackwardIO& w, const scalar_t* grad, const double* grad_b, double sign, bool log_mode) {
+  const int64_t rows = w.x.size(0), n = w.x.size(1);
+  if (n > 32 * kWarpRowsMaxItems) return false;
+  constexpr int64_t kWarps = kWarpRowsThreads / 32;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((rows + kWarps - 1) / kWarps, 1 << 20));
+  const auto launch = [&](auto kernel) {
+    launch_dependent(kernel, blocks, kWarpRowsThreads, 0, current_stream(), grad, grad_b,
+                     w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(), w.t.const_data_ptr<double>(),
+                     w.gx.mutable_data_ptr<scalar_t>(), w.gk.mutable_data_ptr<double>(),
+                     w.gt.mutable_data_ptr<double>(), rows, n, sign, log_mode);
+  };
+  if (n <= 64) launch(vjp_warp_rows_kernel<scalar_t, 2>);
+  else if (n <= 256) launch(vjp_warp_rows_kernel<scalar_t, 8>);
+  else launch(vjp_warp_rows_kernel<scalar_t, kWarpRowsMaxItems>);
+  return true;
+}
+
+// Partials a row up to which each block of the elementwise pass folds them itself (cheaper
+// than a launch); above, one block per row does it once.
+constexpr int64_t kFoldInApplyMaxChunks = 16;
+
+// The launches of both VJPs: reduce (partial sums per block), finalize (a row's coefficients,
+// once, for rows of many blocks), apply (d L / d x); rows of at most 1024 scores: one warp
+// per row, one launch. grad == nullptr: the threshold's VJP (grad_b given).
+template <typename scalar_t>
+void launch_vjp(const BackwardIO& w, const scalar_t* grad, const double* grad_b, bool largest, bool log_mode) {
+  const double sign = largest ? 1.0 : -1.0;
+  if (launch_warp_rows<scalar_t>(w, grad, grad_b, sign, log_mode)) return;
+  const int64_t rows = w.x.size(0), n = w.x.size(1);
+  const dim3 grid = row_grid(rows, n, 8, kMaxChunks);
+  const bool finalize = grid.x > kFoldInApplyMaxChunks;
+  const int64_t partial_bytes = rows * int64_t(grid.x) * int64_t(sizeof(VjpSums));
+  const at::Tensor ws = at::empty({partial_bytes + (finalize ? rows * int64_t(sizeof(RowVjp)) : 0)},
+                                  w.x.options().dtype(at::kByte));
+  auto* partial = reinterpret_cast<VjpSums*>(ws.mutable_data_ptr());
+  auto* coef = finalize ? reinterpret_cast<RowVjp*>(static_cast<uint8_t*>(ws.mutable_data_ptr()) + partial_bytes)
+                        : nullptr;
+  const cudaStream_t stream = current_stream();
+  const scalar_t* xp = w.x.const_data_ptr<scalar_t>();
+  const double* bp = w.b.const_data_ptr<double>();
+  const double* tp = w.t.const_data_ptr<double>();
+  double* gk = w.gk.mutable_data_ptr<double>();
+  double* gt = w.gt.mutable_data_ptr<double>();
+  launch_dependent(vjp_reduce_kernel<scalar_t>, grid, kThreads, 0, stream, grad, xp, bp, tp, partial, rows, n, sign,
+                   log_mode);
+  if (finalize) {
+    const unsigned row_blocks = static_cast<unsigned>(rows < 65535 ? rows : 65535);
+    launch_dependent(vjp_finalize_kernel, row_blocks, kThreads, 0, stream, partial, static_cast<int>(grid.x), grad_b,
+                     bp, tp, coef, gk, gt, rows, sign, grad != nullptr, log_mode);
+  }
+  launch_dependent(vjp_apply_kernel<scalar_t>, grid, kThreads, 0, stream, grad, xp, bp, tp, coef, partial, grad_b, gk,
+                   gt, w.gx.mutable_data_ptr<scalar_t>(), rows, n, sign, log_mode);
 }
 
 }  // namespace
@@ -217,21 +338,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cuda(
   BackwardIO w = backward_io(x_in, b_in, t_in);
   TORCH_CHECK(grad_in.sizes() == w.x.sizes(), "fastlapsum: grad must have the shape of x");
   if (w.x.numel() == 0) return {w.gx, w.gk, w.gt};
-  const dim3 grid = row_grid(w.x.size(0), w.x.size(1), 8, kMaxChunks);
-  const at::Tensor ws = partial_workspace(w.x, grid);
   const at::Tensor g = grad_in.to(w.x.scalar_type()).contiguous();
-  const int64_t rows = w.x.size(0), n = w.x.size(1);
-  const double sign = largest ? 1.0 : -1.0;
-  const cudaStream_t stream = current_stream();
-  auto* partial = reinterpret_cast<VjpSums*>(ws.mutable_data_ptr());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.x.scalar_type(), "soft_topk_backward_cuda", [&] {
-    launch_dependent(vjp_reduce_kernel<scalar_t>, grid, kThreads, 0, stream,
-        g.const_data_ptr<scalar_t>(), w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
-        w.t.const_data_ptr<double>(), partial, rows, n, sign, log_mode);
-    launch_dependent(vjp_apply_kernel<scalar_t>, grid, kThreads, 0, stream,
-        g.const_data_ptr<scalar_t>(), nullptr, w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
-        w.t.const_data_ptr<double>(), partial, w.gx.mutable_data_ptr<scalar_t>(),
-        w.gk.mutable_data_ptr<double>(), w.gt.mutable_data_ptr<double>(), rows, n, sign, log_mode);
+    launch_vjp<scalar_t>(w, g.const_data_ptr<scalar_t>(), nullptr, largest, log_mode);
   });
   return {w.gx, w.gk, w.gt};
 }
@@ -243,21 +352,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cuda(
   BackwardIO w = backward_io(x_in, b_in, t_in);
   TORCH_CHECK(grad_b_in.numel() == w.x.size(0), "fastlapsum: grad_b needs one value per row");
   if (w.x.numel() == 0) return {w.gx, w.gk, w.gt};
-  const dim3 grid = row_grid(w.x.size(0), w.x.size(1), 8, kMaxChunks);
-  const at::Tensor ws = partial_workspace(w.x, grid);
   const at::Tensor gb = grad_b_in.to(at::kDouble).contiguous();
-  const int64_t rows = w.x.size(0), n = w.x.size(1);
-  const double sign = largest ? 1.0 : -1.0;
-  const cudaStream_t stream = current_stream();
-  auto* partial = reinterpret_cast<VjpSums*>(ws.mutable_data_ptr());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.x.scalar_type(), "threshold_backward_cuda", [&] {
-    launch_dependent(vjp_reduce_kernel<scalar_t>, grid, kThreads, 0, stream,
-        nullptr, w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
-        w.t.const_data_ptr<double>(), partial, rows, n, sign, false);
-    launch_dependent(vjp_apply_kernel<scalar_t>, grid, kThreads, 0, stream,
-        nullptr, gb.const_data_ptr<double>(), w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(),
-        w.t.const_data_ptr<double>(), partial, w.gx.mutable_data_ptr<scalar_t>(),
-        w.gk.mutable_data_ptr<double>(), w.gt.mutable_data_ptr<double>(), rows, n, sign, false);
+    launch_vjp<scalar_t>(w, nullptr, gb.const_data_ptr<double>(), largest, false);
   });
   return {w.gx, w.gk, w.gt};
 }

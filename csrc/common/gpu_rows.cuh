@@ -162,12 +162,13 @@ __device__ __forceinline__ bool is_aligned16(const T* p) {
 
 // Streams a row (and its upstream gradient when gr != nullptr) in tiles of kUnroll
 // 16-byte vectors per thread, the loads of a tile issued together, and calls
-// f(x values, g values (0 without gr), valid count, first index) per vector, the values
-// as Val (double, or the compute type: fp32<->fp64 conversions run at quarter rate).
+// f(x values [kUnroll][V], g values (0 without gr), valid counts [kUnroll], first index of
+// the tile) once per tile; vector u of a thread starts at t0 + (u * blockDim.x + threadIdx.x) * V.
+// Values as Val (double, or the compute type: fp32<->fp64 conversions run at quarter rate).
 // Block c of the row's gridDim.x blocks takes tiles c, c + gridDim.x, ...
 template <typename scalar_t, typename Val = double, int kUnroll = kStreamUnroll, typename F>
-__device__ __forceinline__ void stream_row(const scalar_t* __restrict__ xr, const scalar_t* __restrict__ gr,
-                                           int64_t n, F&& f) {
+__device__ __forceinline__ void stream_row_tiles(const scalar_t* __restrict__ xr, const scalar_t* __restrict__ gr,
+                                                 int64_t n, F&& f) {
   constexpr int V = vec_width<scalar_t>();
   const bool aligned = is_aligned16(xr) && (gr == nullptr || is_aligned16(gr));
   const int64_t tile = int64_t(blockDim.x) * V * kUnroll;
@@ -182,10 +183,22 @@ __device__ __forceinline__ void stream_row(const scalar_t* __restrict__ xr, cons
       valid[u] = i0 < n ? load_vec<scalar_t, V>(xr, n, i0, aligned, xv[u]) : 0;
       if (gr != nullptr && valid[u] > 0) load_vec<scalar_t, V>(gr, n, i0, aligned, gv[u]);
     }
+    f(xv, gv, valid, t0);
+  }
+}
+
+// The same, f(x values, g values, valid count, first index) called per vector that holds
+// an element.
+template <typename scalar_t, typename Val = double, int kUnroll = kStreamUnroll, typename F>
+__device__ __forceinline__ void stream_row(const scalar_t* __restrict__ xr, const scalar_t* __restrict__ gr,
+                                           int64_t n, F&& f) {
+  constexpr int V = vec_width<scalar_t>();
+  stream_row_tiles<scalar_t, Val, kUnroll>(xr, gr, n, [&](const Val(&xv)[kUnroll][V], const Val(&gv)[kUnroll][V],
+                                                          const int(&valid)[kUnroll], int64_t t0) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (valid[u] > 0) f(xv[u], gv[u], valid[u], t0 + (int64_t(u) * blockDim.x + threadIdx.x) * V);
-  }
+  });
 }
 
 }  // namespace fastlapsum

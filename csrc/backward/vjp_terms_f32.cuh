@@ -1,0 +1,214 @@
+// The per-element work of the CUDA VJPs for fp32/fp16/bf16 rows (fp64 rows use vjp_math.h's
+// vjp_term directly).
+//
+// Every sum is relative to a nearby score (vjp_math.h), so what must be exact per element is
+// its distance d = s - b and the offsets of |d| and d from the reference's. In a saturated row
+// the weighted scores sit many t from b, where an fp32 d would move a weight by |d|/t fp32
+// ulps. An fp64 d is exact enough but costs quarter-rate fp32<->fp64 conversions per score;
+// here d is an unevaluated pair of floats instead (b = b_hi + b_lo, s - b_hi split exactly by
+// TwoSum), exact to ~2^-48 (|d| + |b|), and the offsets are differences of pairs. The pairs
+// need b and log2(e)/t well inside the fp32 range; a row outside it (RowF32::pairs false)
+// takes the fp64 distances of the *_f64d functions.
+#pragma once
+
+#include <cfloat>
+
+#include "../common/vjp_math.h"
+
+namespace fastlapsum {
+
+// e^{-x} for x >= 0 (+inf: 0) in fp32, one MUFU op (ex2.approx.ftz, ~2 ulp) of an argument
+// prescaled in fp64.
+__device__ __forceinline__ float exp2_neg(double x2) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(-static_cast<float>(x2)));
+  return y;
+}
+// 2^x in fp32 (x <= 0 here; -inf gives 0)
+__device__ __forceinline__ float exp2_f(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+constexpr double kLog2e = 1.4426950408889634;
+
+// e^{-x} for folding a group's sums into a thread's: a ratio of sums does not see the
+// rounding of a factor they share.
+struct ExpNegF32 {
+  __device__ double operator()(double x) const { return static_cast<double>(exp2_neg(x * kLog2e)); }
+};
+
+// hi + lo, unevaluated
+struct F2 {
+  float hi, lo;
+};
+__device__ __forceinline__ float approx(const F2& a) { return a.hi + a.lo; }
+__device__ __forceinline__ double exact(const F2& a) { return static_cast<double>(a.hi) + static_cast<double>(a.lo); }
+// |a| as a pair
+__device__ __forceinline__ F2 abs2(const F2& a) {
+  const float s = approx(a) < 0.0f ? -1.0f : 1.0f;
+  return F2{s * a.hi, s * a.lo};
+}
+// a - b, one rounding at the end: a.hi - b.hi is exact where they are within a factor 2 of
+// each other, and otherwise rounds a difference at least half of a.hi.
+__device__ __forceinline__ float sub2(const F2& a, const F2& b) { return (a.hi - b.hi) + (a.lo - b.lo); }
+
+// A row's constants for its fp32 elements.
+struct RowF32 {
+  float sign, b_hi, b_lo, l2;  // l2 = log2(e)/t
+  double b, inv_t;
+  bool pairs;  // b and l2 inside the range where the pairs hold (else the fp64 distances)
+  __device__ RowF32(double sign_d, double b_, double inv_t_)
+      : sign(static_cast<float>(sign_d)), b(b_), inv_t(inv_t_) {
+    const double l2d = inv_t_ * kLog2e;
+    pairs = !(fabs(b_) > 0x1p100 && is_finite(b_)) && l2d <= 0x1p100;
+    b_hi = static_cast<float>(b_);
+    b_lo = is_finite(b_) ? static_cast<float>(b_ - static_cast<double>(b_hi)) : 0.0f;
+    l2 = static_cast<float>(fmin(l2d, 3.0e38));
+  }
+  // x as stored (the row's sign not yet applied): d = sign x - b. Non-finite hi: no weight.
+  __device__ __forceinline__ F2 dist(float x) const {
+    const float s = sign * x, y = s - b_hi, bv = y - s;
+    return F2{y, ((s - (y - bv)) + (-b_hi - bv)) - b_lo};
+  }
+  // the fp64 distance of the fallback (and its |d|, +inf for an infinite or NaN d)
+  __device__ __forceinline__ double dist_f64d(float x) const { return static_cast<double>(sign * x) - b; }
+  __device__ __forceinline__ static double abs_f64d(double d) { return is_finite(d) ? fabs(d) : INFINITY; }
+  // e^{-x/t} for an offset x >= 0 given in fp64 (+inf: 0)
+  __device__ __forceinline__ float exp_neg_f64d(double x) const { return exp2_neg(x * fmin(inv_t * kLog2e, 1.7976931348623157e308)); }
+};
+
+// The sums of a group of G elements (valid[q]: element q exists), relative to the group's
+// nearest element. Two passes over registers: the nearest, then the sums in fp32.
+template <int G>
+__device__ __forceinline__ VjpSums group_sums(const RowF32& row, const float (&xv)[G], const float (&gv)[G],
+                                              const bool (&valid)[G], bool log_mode) {
+  F2 d[G];
+  float key[G];
+  float kmin = INFINITY;
+  F2 ref{0.0f, 0.0f};
+#pragma unroll
+  for (int q = 0; q < G; ++q) {
+    d[q] = row.dist(xv[q]);
+    key[q] = valid[q] && fabsf(d[q].hi) <= FLT_MAX ? fabsf(approx(d[q])) : INFINITY;
+    if (key[q] < kmin) {
+      kmin = key[q];
+      ref = d[q];
+    }
+  }
+  VjpSums v;
+  if (!(kmin < INFINITY)) return v;
+  const F2 aref = abs2(ref);
+  float tw = 0.0f, G_ = 0.0f, twd = 0.0f, Gd = 0.0f, Ga = 0.0f, Gad = 0.0f;
+#pragma unroll
+  for (int q = 0; q < G; ++q) {
+    if (!(key[q] < INFINITY)) continue;
+    const float wh = exp2_f(fmaf(-sub2(abs2(d[q]), aref), row.l2, -1.0f));  // e^{-(|d| - m)/t} / 2
+    const float dd = sub2(d[q], ref);
+    float gw = gv[q];
+    if (log_mode) {
+      if (approx(d[q]) <= 0.0f) {  // log p = u + log 1/2: an absolute term
+        Ga += gv[q];
+        Gad += gv[q] * dd;
+        gw = 0.0f;
+      } else {  // d log p / d u = tw / p
+        gw = gv[q] / (1.0f - 0.5f * exp2_f(-key[q] * row.l2));
+      }
+    }
+    tw += wh;
+    twd += wh * dd;
+    G_ += gw * wh;
+    Gd += gw * wh * dd;
+  }
+  v.m = exact(aref);
+  v.dref = exact(ref);
+  v.tw = tw; v.G = G_; v.twd = twd; v.Gd = Gd; v.Ga = Ga; v.Gad = Gad;
+  return v;
+}
+
+// The same with fp64 distances (rows outside the pairs' range): relative to the vector's
+// nearest element, d recomputed in the second pass (an fp64 array would halve occupancy).
+template <int V>
+__device__ __forceinline__ VjpSums vector_sums_f64d(const RowF32& row, const float (&xv)[V], const float (&gv)[V],
+                                                    int valid, bool log_mode) {
+  double amin = INFINITY, dref = 0.0;
+#pragma unroll
+  for (int q = 0; q < V; ++q) {
+    const double d = row.dist_f64d(xv[q]), a = q < valid ? RowF32::abs_f64d(d) : INFINITY;
+    if (a < amin) {
+      amin = a;
+      dref = d;
+    }
+  }
+  VjpSums v;
+  if (!(amin < INFINITY)) return v;
+  float tw = 0.0f, G = 0.0f, twd = 0.0f, Gd = 0.0f, Ga = 0.0f, Gad = 0.0f;
+#pragma unroll
+  for (int q = 0; q < V; ++q) {
+    const double d = row.dist_f64d(xv[q]), a = q < valid ? RowF32::abs_f64d(d) : INFINITY;
+    if (!(a < INFINITY)) continue;
+    const float wh = 0.5f * row.exp_neg_f64d(a - amin), dd = static_cast<float>(d - dref);
+    float gw = gv[q];
+    if (log_mode) {
+      if (d <= 0.0) {
+        Ga += gv[q];
+        Gad += gv[q] * dd;
+        gw = 0.0f;
+      } else {
+        gw = gv[q] / (1.0f - 0.5f * row.exp_neg_f64d(a));
+      }
+    }
+    tw += wh;
+    twd += wh * dd;
+    G += gw * wh;
+    Gd += gw * wh * dd;
+  }
+  v.m = amin;
+  v.dref = dref;
+  v.tw = tw; v.G = G; v.twd = twd; v.Gd = Gd; v.Ga = Ga; v.Gad = Gad;
+  return v;
+}
+
+// A row's coefficients of d L / d s_i (RowVjp::grad_score) in fp32, for the rows whose
+// coefficients fit fp32 with room (else `fits` is false and the elements use grad_score).
+struct RowCoefF32 {
+  F2 m;  // the reference |d| of the weights
+  float c, K, inv_t, E;
+  bool fits;
+  __device__ explicit RowCoefF32(const RowVjp& v) {
+    const auto room = [](double y) { return y == 0.0 || (fabs(y) >= 0x1p-100 && fabs(y) <= 0x1p100); };
+    fits = !v.nan && v.m < 0x1p100 && room(v.c) && room(v.K) && room(v.inv_t);
+    m.hi = static_cast<float>(fmin(v.m, 3.0e38));
+    m.lo = fits ? static_cast<float>(v.m - static_cast<double>(m.hi)) : 0.0f;
+    c = static_cast<float>(v.c);
+    K = static_cast<float>(v.K);
+    inv_t = static_cast<float>(v.inv_t);
+    E = static_cast<float>(v.E);
+  }
+  // d L / d s for one element (the row's sign not yet applied); no weight: 0
+  __device__ __forceinline__ float grad_score(const RowF32& row, float x, float g, bool log_mode) const {
+    const F2 d = row.dist(x);
+    if (!(fabsf(d.hi) <= FLT_MAX)) return 0.0f;
+    const float wh = exp2_f(fmaf(-sub2(abs2(d), m), row.l2, -1.0f));
+    if (!log_mode) return wh * (g * c - K);
+    if (approx(d) <= 0.0f) return g * inv_t - wh * K;
+    return wh * (g * c / (1.0f - wh * E) - K);
+  }
+};
+
+// d L / d x of one element of an fp32/fp16/bf16 row (x as stored): in fp32 where the row's
+// pairs and coefficients allow (the usual row), else with fp64 distances and coefficients.
+__device__ __forceinline__ float grad_f32(const RowF32& row, const RowCoefF32& cf, const RowVjp& v, float x, float g,
+                                          bool log_mode) {
+  if (row.pairs && cf.fits) return row.sign * cf.grad_score(row, x, g, log_mode);
+  const double d = row.dist_f64d(x), a = RowF32::abs_f64d(d);
+  return static_cast<float>(static_cast<double>(row.sign) * v.grad_score(0.5f * row.exp_neg_f64d(a - v.m), g, d, a));
+}
+
+// The same for an fp64 row.
+__device__ __forceinline__ double grad_f64(double sign, double b, double inv_t, const RowVjp& v, double x, double g) {
+  const VjpTerm e = vjp_term(sign * x, b, inv_t, 0.0, false);  // a and d only
+  return sign * v.grad_score(0.5 * exp(-(e.a - v.m) * inv_t), g, e.d, e.a);
+}
+
+}  // namespace fastlapsum
