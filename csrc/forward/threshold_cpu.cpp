@@ -18,14 +18,11 @@
 #include "../common/bracket_rule.h"
 #include "../common/cpu_rows.h"
 #include "../common/op_io.h"
+#include "../common/plan.h"
 #include "../ops.h"
 
 namespace fastlapsum {
 namespace {
-
-// Measured crossover (benchmarks/bench_auto_crossover.py, results/auto_crossover_cpu.txt):
-// the bracket wins by ~2x from 4096 scores on, the sort below 2048.
-constexpr int64_t kAutoBracketMinN = 4096;
 
 struct RowSolution {
   double b;
@@ -205,9 +202,7 @@ RowSolution solve_row(const Row<scalar_t>& row, int64_t row_index, double k, dou
                  static_cast<double>(c.ninf), &b, &edge, &kf))
     return RowSolution{b, edge, kPathDirect, 0, 0};
   const int64_t finite = row.n - c.pinf - c.ninf;
-  const bool bracket =
-      method == kMethodBracket || (method == kMethodAuto && finite >= kAutoBracketMinN);
-  if (bracket) return solve_bracket(row, row_index, finite, kf, t);
+  if (!plan_sorts(row.n, method)) return solve_bracket(row, row_index, finite, kf, t);
   return RowSolution{solve_sort(row, finite, kf, t), 1.0, kPathSort, finite, 0};
 }
 

@@ -4,10 +4,12 @@
 
 #include <torch/types.h>
 
+#include "../../common/plan.h"
+
 namespace fastlapsum {
 
-// Rows up to this length are solved on chip, one CTA per row (short_rows_cuda.cu).
-constexpr int64_t kShortRowMax = 4096;
+// Rows that the plan sorts are solved on chip (short_rows_cuda.cu).
+constexpr int64_t kShortRowMax = kAutoSortMaxN;
 
 // The sort solver of DESIGN §1.1 for rows of n <= kShortRowMax: sort in shared memory,
 // closed-form scan as a block-wide parallel scan. Writes b, edge and diag; when p is
