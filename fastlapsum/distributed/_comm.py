@@ -45,6 +45,11 @@ def fold_sum(parts: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+def exchange(t: torch.Tensor, shard: "Shard") -> torch.Tensor:
+    """gather() through the backend's device, the result back on t's device."""
+    return gather(t.to(comm_device(t, shard.group)), shard).to(t.device)
+
+
 def comm_device(x: torch.Tensor, group) -> torch.device:
     """Where the exchanged tensors live: NCCL moves CUDA tensors only, gloo CPU ones."""
     backend = dist.get_backend(group)

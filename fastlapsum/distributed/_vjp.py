@@ -94,8 +94,7 @@ def _merge(acc: torch.Tensor, o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def row_sums(part: torch.Tensor, t: torch.Tensor, shard: "_comm.Shard") -> torch.Tensor:
     """The row's VjpSums: this rank's part all-gathered, merged in rank order."""
-    dev = part.device
-    parts = _comm.gather(part.to(_comm.comm_device(part, shard.group)), shard).to(dev)
+    parts = _comm.exchange(part, shard)
     acc = parts[0]
     for r in range(1, parts.shape[0]):
         acc = _merge(acc, parts[r], t)
