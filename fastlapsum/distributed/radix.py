@@ -105,14 +105,12 @@ def solve_finite(x_rows: torch.Tensor, sign: float, kf: torch.Tensor, t: torch.T
     key, width = _keys(s)
     s = s.to(F64)
     finite = torch.isfinite(s)
-    idx = torch.arange(BINS, device=dev)
     prefix = torch.zeros(R, dtype=torch.int64, device=dev)
     H = torch.full((R,), math.inf, dtype=F64, device=dev)
     L = -H
     T_cnt, T_A, T_B = (torch.zeros(R, dtype=F64, device=dev) for _ in range(3))
     todo = active.clone()
     b = torch.zeros(R, dtype=F64, device=dev)
-    ge = idx[:, None] <= idx[None, :]  # [j, g]: g >= j
     rounds = width // BITS
     for r in range(rounds):
         shift = width - BITS * (r + 1)
@@ -121,6 +119,12 @@ def solve_finite(x_rows: torch.Tensor, sign: float, kf: torch.Tensor, t: torch.T
             inside &= (key >> (shift + BITS)) == prefix[:, None]
         g = ((key >> shift) & (BINS - 1)) ^ (BINS // 2 if r == 0 else 0)
         cnt, mn, mx, alpha, beta = _fold(_comm.exchange(_histogram(s, inside, g, t, R), shard), t)
+        # the non-empty bins first, in order: m atoms per row (padding after them)
+        m = max(1, int((cnt > 0).sum(1).max()))
+        binid = torch.sort((cnt == 0).to(torch.int8), dim=1, stable=True).indices[:, :m]
+        cnt, mn, mx, alpha, beta = (v.gather(1, binid) for v in (cnt, mn, mx, alpha, beta))
+        idx = torch.arange(m, device=dev)
+        ge = idx[:, None] <= idx[None, :]  # [j, g]: g >= j
         has = cnt > 0
         mn0, mx0 = torch.where(has, mn, 0.0), torch.where(has, mx, 0.0)
         pair = has[:, :, None] & has[:, None, :]  # [R, j, g], both atoms non-empty
@@ -136,22 +140,20 @@ def solve_finite(x_rows: torch.Tensor, sign: float, kf: torch.Tensor, t: torch.T
         c_max = T_cnt[:, None] + cnt.flip(1).cumsum(1).flip(1) - cnt  # #{s > max_j}
         c_min = c_max + cnt  # #{s >= min_j}
         psi = torch.stack([c_min - 0.5 * A_min + 0.5 * B_min, c_max - 0.5 * A_max + 0.5 * B_max], 2)
-        hit = (has[:, :, None] & (psi <= kf[:, None, None])).reshape(R, 2 * BINS)
-        p = torch.where(hit.any(1), hit.int().argmax(1), 2 * BINS)  # first point with Ψ <= kf
-        gj = (p // 2).clamp(max=BINS - 1)
-        # the last non-empty atom before gj (-1: none) and the first after it (BINS: none)
-        prev = torch.where(has, idx, -1).cummax(1).values
-        prev = torch.where(gj > 0, prev.gather(1, (gj - 1).clamp(min=0)[:, None])[:, 0], -1)
-        prev = torch.where(p == 2 * BINS, torch.where(has, idx, -1).amax(1), prev)
-        nxt = torch.where(has, idx, BINS).flip(1).cummin(1).values.flip(1)
-        nxt = torch.where(gj < BINS - 1, nxt.gather(1, (gj + 1).clamp(max=BINS - 1)[:, None])[:, 0], BINS)
-        at = lambda v, i: v.gather(1, i.clamp(0, BINS - 1)[:, None])[:, 0]  # noqa: E731
+        hit = (has[:, :, None] & (psi <= kf[:, None, None])).reshape(R, 2 * m)
+        p = torch.where(hit.any(1), hit.int().argmax(1), 2 * m)  # first point with Ψ <= kf
+        gj = (p // 2).clamp(max=m - 1)
+        # the last non-empty atom before gj (-1: none) and the first after it (m: none)
+        n_atoms = has.sum(1)
+        prev = torch.where(p == 2 * m, n_atoms - 1, gj - 1)
+        nxt = torch.where(gj + 1 < n_atoms, gj + 1, m)
+        at = lambda v, i: v.gather(1, i.clamp(0, m - 1)[:, None])[:, 0]  # noqa: E731
         lo = torch.where(prev >= 0, at(mx, prev), L)
         B_lo = torch.where(prev >= 0, at(B_max, prev), T_B)
-        inside_atom = (p % 2 == 1) & (p < 2 * BINS)
+        inside_atom = (p % 2 == 1) & (p < 2 * m)
         point = inside_atom & ((at(mn, gj) == at(mx, gj)) | (r == rounds - 1))  # the root at one value
         gap = ~inside_atom
-        above_all = p == 2 * BINS
+        above_all = p == 2 * m
         # gap before atom gj (or above every atom): lo = the previous atom's max (or L), hi = min_gj (or H)
         hi = torch.where(above_all, H, at(mn, gj))
         C = torch.where(above_all, T_cnt, at(c_min, gj))
@@ -172,11 +174,11 @@ def solve_finite(x_rows: torch.Tensor, sign: float, kf: torch.Tensor, t: torch.T
             break
         # descend into atom gj: the atoms above and below it join the tails
         base = torch.full_like(prefix, -(BINS // 2)) if r == 0 else prefix * BINS
-        H2 = torch.where(nxt < BINS, at(mn, nxt), H)
+        H2 = torch.where(nxt < m, at(mn, nxt), H)
         above = idx[None, :] > gj[:, None]
         T_A2 = (_ex(H2[:, None] - mn0, t, has & above) * alpha).sum(1) + \
             torch.where(T_cnt > 0, _ex(H2 - H, t, T_cnt > 0) * T_A, 0.0)
-        prefix = torch.where(todo, base + gj, prefix)
+        prefix = torch.where(todo, base + at(binid, gj), prefix)
         T_A = torch.where(todo, T_A2, T_A)
         T_B = torch.where(todo, B_lo, T_B)
         T_cnt = torch.where(todo, at(c_max, gj), T_cnt)
