@@ -53,13 +53,15 @@ def _prepare_soft(x, k, temperature, dim, largest, mode, group, what):
     """Local checks, then the shared description (a local error raises on every rank)."""
     err = d = rows_x = batch = kk = tt = None
     try:
+        if not isinstance(largest, bool):
+            raise TypeError(f"{what}: largest must be a bool, got {type(largest).__name__}")
         d = _check_soft_x(x, dim, what)
         rows_x, batch = _as_rows(x, d)
         kk = _fn._per_row(k, "k", x, batch, positive=False, integral=mode == MODE_HARD, what=what)
         tt = _fn._per_row(temperature, "temperature", x, batch, positive=True, what=what)
     except (TypeError, ValueError, IndexError) as e:
         err = e
-    shard = _comm.describe(x, d, group, what, flags=int(largest) + 2 * mode, err=err)
+    shard = _comm.describe(x, d, group, what, flags=0 if err else int(largest) + 2 * mode, err=err)
     return x, d, rows_x, batch, kk, tt, shard
 
 
@@ -73,8 +75,6 @@ def _check_topk_x(x, dim, what: str) -> int:
 
 
 def _soft(x, k, temperature, dim, largest, mode, group, what):
-    if not isinstance(largest, bool):
-        raise TypeError(f"{what}: largest must be a bool, got {type(largest).__name__}")
     if _dt.is_dtensor(x):
         return _dt.call_sharded(x, dim, what, lambda xl, d, g: _soft(
             xl, _dt.local_arg(k, "k", what), _dt.local_arg(temperature, "temperature", what), d, largest, mode,
@@ -105,8 +105,6 @@ def lapsum_threshold(x: torch.Tensor, k, temperature=1.0, *, dim: int = -1, larg
     """The threshold b of the whole row (float64, x without `dim`), bit-identical on
     every rank; differentiable in this rank's x, k and temperature."""
     what = "lapsum_threshold"
-    if not isinstance(largest, bool):
-        raise TypeError(f"{what}: largest must be a bool, got {type(largest).__name__}")
     if _dt.is_dtensor(x):
         return _dt.call_sharded(x, dim, what, lambda xl, d, g: lapsum_threshold(
             xl, _dt.local_arg(k, "k", what), _dt.local_arg(temperature, "temperature", what), dim=d,
@@ -123,21 +121,21 @@ def topk(x: torch.Tensor, k: int, *, dim: int = -1, largest: bool = True, sorted
     +inf). The selection is fastlapsum.topk's on the concatenated row. values are
     differentiable: each rank sends its own upstream gradient to the elements it owns."""
     what = "topk"
-    for name, v in (("largest", largest), ("sorted", sorted)):
-        if not isinstance(v, bool):
-            raise TypeError(f"{what}: {name} must be a bool, got {type(v).__name__}")
     if _dt.is_dtensor(x):
         return _dt.call_sharded(x, dim, what, lambda xl, d, g: topk(
             xl, k, dim=d, largest=largest, group=g), kind="topk")
     err = d = None
     try:
+        for name, v in (("largest", largest), ("sorted", sorted)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{what}: {name} must be a bool, got {type(v).__name__}")
         d = _check_topk_x(x, dim, what)
         k = _fn._as_int(k, "k", what)
         if k < 0:
             raise ValueError(f"{what}: k must be >= 0, got {k}")
     except (TypeError, ValueError, IndexError) as e:
         err = e
-    shard = _comm.describe(x, d, group, what, flags=int(largest) + 2 * (k if err is None else 0), err=err)
+    shard = _comm.describe(x, d, group, what, flags=0 if err else int(largest) + 2 * k, err=err)
     if k > shard.n:
         raise ValueError(f"{what}: k must be in [0, n] = [0, {shard.n}] (the concatenated row), got {k}")
     rows_x, batch = _as_rows(x, d)

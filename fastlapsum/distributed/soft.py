@@ -69,6 +69,15 @@ def _mask(x_rows, b, t, edge, largest: bool, mode: int, k, shard: Shard) -> torc
     return ops.lapsum_mask(x_rows.contiguous(), b, t, edge, largest, mode == MODE_LOG)
 
 
+def _row_sums(ctx, g, log_mode: bool):
+    """The backward's per-element terms and the row's VJP sums (one all-gather)."""
+    x_rows, b, t = ctx.saved_tensors
+    sign = 1.0 if ctx.largest else -1.0
+    b_s = b * sign
+    a, d, gw, ga = terms(x_rows.to(F64) * sign, b_s, t, g, log_mode)
+    return x_rows, sign, b_s, t, a, d, row_sums(local_sums(a, d, gw, ga, t), t, ctx.shard)
+
+
 class SoftFn(torch.autograd.Function):
     """(x_rows, k, t) -> this rank's slice of the mask (or log mask, or hard mask)."""
 
@@ -84,11 +93,7 @@ class SoftFn(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gp):
-        x_rows, b, t = ctx.saved_tensors
-        sign = 1.0 if ctx.largest else -1.0
-        s, b_s = x_rows.to(F64) * sign, b * sign
-        a, d, gw, ga = terms(s, b_s, t, gp, ctx.log_mode)
-        S = row_sums(local_sums(a, d, gw, ga, t), t, ctx.shard)
+        x_rows, sign, b_s, t, a, d, S = _row_sums(ctx, gp, ctx.log_mode)
         gs, gk, gt = mask_grads(S, a, d, gp, b_s, t, ctx.log_mode)
         return (gs * sign).to(x_rows.dtype), gk, gt, None, None, None, None
 
@@ -106,10 +111,6 @@ class ThresholdFn(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gb):
-        x_rows, b, t = ctx.saved_tensors
-        sign = 1.0 if ctx.largest else -1.0
-        s, b_s = x_rows.to(F64) * sign, b * sign
-        a, d, gw, ga = terms(s, b_s, t, None, False)
-        S = row_sums(local_sums(a, d, gw, ga, t), t, ctx.shard)
+        x_rows, sign, b_s, t, a, d, S = _row_sums(ctx, None, False)
         gs, gk, gt = threshold_grads(S, a, gb, b_s, t, sign)
         return (gs * sign).to(x_rows.dtype), gk, gt, None, None, None
