@@ -50,24 +50,36 @@ def _values(key: torch.Tensor, width: int) -> torch.Tensor:
     return torch.where(torch.isfinite(v), v, big)
 
 
+CHUNK = 1 << 26  # scores per pass piece: bounds the histogram's temporaries
+
+
 def _histogram(s, inside, g, t, R: int) -> torch.Tensor:
     """This rank's [R, BINS, 5]: count, min, max, α = Σ e^{(min - s)/t}, β = Σ e^{(s - max)/t}
-    of its scores in each bin (min +inf, max -inf where it holds none)."""
+    of its scores in each bin (min +inf, max -inf where it holds none). Two passes over
+    column pieces of at most CHUNK scores: min / max first, then the sums against them."""
     dev = s.device
-    rows = torch.arange(R, device=dev)[:, None].expand_as(g)
-    flat = torch.where(inside, rows * BINS + g, R * BINS).reshape(-1)  # outside: a spare bin
-    size = R * BINS + 1
-    v = s.reshape(-1)
-    inf = torch.full((size,), math.inf, dtype=F64, device=dev)
-    mn = inf.scatter_reduce(0, flat, v, "amin")
-    mx = (-inf).scatter_reduce(0, flat, v, "amax")
-    zero = torch.zeros((), dtype=F64, device=dev)
-    ins = inside.reshape(-1)
-    alpha = torch.where(ins, torch.exp(((mn[flat] - v) / t.repeat_interleave(g.shape[1])).clamp(max=0)), zero)
-    beta = torch.where(ins, torch.exp(((v - mx[flat]) / t.repeat_interleave(g.shape[1])).clamp(max=0)), zero)
-    out = torch.stack([torch.bincount(flat, minlength=size).to(F64), mn, mx,
-                       torch.bincount(flat, weights=alpha, minlength=size),
-                       torch.bincount(flat, weights=beta, minlength=size)], 1)
+    size = R * BINS + 1  # the last bin takes the scores outside the range
+    n = s.shape[1]
+    step = max(1, CHUNK // max(R, 1))
+    rows = torch.arange(R, device=dev)[:, None] * BINS
+    pieces = [(i, min(n, i + step)) for i in range(0, n, step)]
+    flats = lambda i, j: torch.where(inside[:, i:j], rows + g[:, i:j], R * BINS).reshape(-1)  # noqa: E731
+    mn = torch.full((size,), math.inf, dtype=F64, device=dev)
+    mx = torch.full((size,), -math.inf, dtype=F64, device=dev)
+    cnt, alpha, beta = (torch.zeros(size, dtype=F64, device=dev) for _ in range(3))
+    for i, j in pieces:
+        f, v = flats(i, j), s[:, i:j].reshape(-1)
+        mn.scatter_reduce_(0, f, v, "amin")
+        mx.scatter_reduce_(0, f, v, "amax")
+        cnt += torch.bincount(f, minlength=size)
+    tc = t[:, None]
+    for i, j in pieces:
+        f, v, ins = flats(i, j), s[:, i:j], inside[:, i:j]
+        ea = torch.where(ins, torch.exp(((mn[f].view(R, -1) - v) / tc).clamp(max=0)), 0.0)
+        alpha += torch.bincount(f, weights=ea.reshape(-1), minlength=size)
+        eb = torch.where(ins, torch.exp(((v - mx[f].view(R, -1)) / tc).clamp(max=0)), 0.0)
+        beta += torch.bincount(f, weights=eb.reshape(-1), minlength=size)
+    out = torch.stack([cnt, mn, mx, alpha, beta], 1)
     return out[: R * BINS].reshape(R, BINS, 5)
 
 
