@@ -235,8 +235,9 @@ def _grad_case(xg, k, t, sizes, *, largest, mode):
         if mode == "threshold":
             loss = (ops.lapsum_threshold(x, kk, tt, largest=largest) * gb).sum()
         else:
+            kw = {"hard": True} if mode == "hard" else {}
             fn = ops.log_soft_topk if mode == "log" else ops.soft_topk
-            y = fn(x, kk, tt, largest=largest)
+            y = fn(x, kk, tt, largest=largest, **kw)
             loss = (y * (_local(g, sizes) if sharded else g)).nan_to_num(0.0).sum()
         loss.backward()
         outs.append((x.grad, kk.grad, tt.grad))
@@ -253,6 +254,8 @@ def check_gradients():
     for mode in ("soft", "log", "threshold"):
         for how, largest in (("ragged", True), ("one", False), ("even", True)):
             _grad_case(xg, k, 0.4, _sizes(31, how), largest=largest, mode=mode)
+    _grad_case(xg, torch.tensor([2.0, 10.0, 20.0], dtype=torch.float64), 0.4, _sizes(31, "ragged"),
+               largest=True, mode="hard")  # straight-through: the soft mask's gradient
     sat = _rows(2, 31, 10) * 1e4  # saturated: every weight underflows relative to t
     _grad_case(sat, torch.tensor([3.0, 7.0], dtype=torch.float64), 1e-2, _sizes(31, "ragged"),
                largest=True, mode="soft")
