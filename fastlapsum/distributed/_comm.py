@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 
-# torch >= 2.10 names it all_gather_single; older releases all_gather_into_tensor
+# newer torch names it all_gather_single, older releases all_gather_into_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -30,8 +30,6 @@ def gather(t: torch.Tensor, shard_or_group) -> torch.Tensor:
     group = shard_or_group.group if isinstance(shard_or_group, Shard) else shard_or_group
     world = dist.get_world_size(group)
     t = t.contiguous()
-    if world == 1:
-        return t.unsqueeze(0)
     out = torch.empty(world * t.numel(), dtype=t.dtype, device=t.device)
     _all_gather_single(out, t.reshape(-1), group=group)
     return out.view(world, *t.shape)
