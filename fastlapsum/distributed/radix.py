@@ -53,28 +53,38 @@ def _values(key: torch.Tensor, width: int) -> torch.Tensor:
 CHUNK = 1 << 26  # scores per pass piece: bounds the histogram's temporaries
 
 
-def _histogram(s, inside, g, t, R: int) -> torch.Tensor:
+def _histogram(s, key, todo, prefix, r: int, shift: int, t, R: int) -> torch.Tensor:
     """This rank's [R, BINS, 5]: count, min, max, α = Σ e^{(min - s)/t}, β = Σ e^{(s - max)/t}
-    of its scores in each bin (min +inf, max -inf where it holds none). Two passes over
-    column pieces of at most CHUNK scores: min / max first, then the sums against them."""
+    of its scores in the range in play (the row's key prefix above `shift + BITS` bits),
+    binned by the key's next BITS bits (min +inf, max -inf where a bin holds none). Two
+    passes over column pieces of at most CHUNK scores: min / max first, then the sums
+    against them."""
     dev = s.device
     size = R * BINS + 1  # the last bin takes the scores outside the range
     n = s.shape[1]
     step = max(1, CHUNK // max(R, 1))
     rows = torch.arange(R, device=dev)[:, None] * BINS
     pieces = [(i, min(n, i + step)) for i in range(0, n, step)]
-    flats = lambda i, j: torch.where(inside[:, i:j], rows + g[:, i:j], R * BINS).reshape(-1)  # noqa: E731
+
+    def piece(i, j):  # the flat bin of each score of columns [i, j) (the spare one outside)
+        kk = key[:, i:j]
+        ins = torch.isfinite(s[:, i:j]) & todo[:, None]
+        if r > 0:
+            ins &= (kk >> (shift + BITS)) == prefix[:, None]
+        g = ((kk >> shift) & (BINS - 1)) ^ (BINS // 2 if r == 0 else 0)
+        return torch.where(ins, rows + g, R * BINS).reshape(-1), ins
+
     mn = torch.full((size,), math.inf, dtype=F64, device=dev)
     mx = torch.full((size,), -math.inf, dtype=F64, device=dev)
     cnt, alpha, beta = (torch.zeros(size, dtype=F64, device=dev) for _ in range(3))
     for i, j in pieces:
-        f, v = flats(i, j), s[:, i:j].reshape(-1)
+        f, v = piece(i, j)[0], s[:, i:j].reshape(-1)
         mn.scatter_reduce_(0, f, v, "amin")
         mx.scatter_reduce_(0, f, v, "amax")
         cnt += torch.bincount(f, minlength=size)
     tc = t[:, None]
     for i, j in pieces:
-        f, v, ins = flats(i, j), s[:, i:j], inside[:, i:j]
+        (f, ins), v = piece(i, j), s[:, i:j]
         ea = torch.where(ins, torch.exp(((mn[f].view(R, -1) - v) / tc).clamp(max=0)), 0.0)
         alpha += torch.bincount(f, weights=ea.reshape(-1), minlength=size)
         eb = torch.where(ins, torch.exp(((v - mx[f].view(R, -1)) / tc).clamp(max=0)), 0.0)
@@ -116,7 +126,6 @@ def solve_finite(x_rows: torch.Tensor, sign: float, kf: torch.Tensor, t: torch.T
     s = (x_rows.to(F64) * sign) if x_rows.dtype == F64 else (x_rows * sign)
     key, width = _keys(s)
     s = s.to(F64)
-    finite = torch.isfinite(s)
     prefix = torch.zeros(R, dtype=torch.int64, device=dev)
     H = torch.full((R,), math.inf, dtype=F64, device=dev)
     L = -H
@@ -126,11 +135,8 @@ def solve_finite(x_rows: torch.Tensor, sign: float, kf: torch.Tensor, t: torch.T
     rounds = width // BITS
     for r in range(rounds):
         shift = width - BITS * (r + 1)
-        inside = finite & todo[:, None]
-        if r > 0:
-            inside &= (key >> (shift + BITS)) == prefix[:, None]
-        g = ((key >> shift) & (BINS - 1)) ^ (BINS // 2 if r == 0 else 0)
-        cnt, mn, mx, alpha, beta = _fold(_comm.exchange(_histogram(s, inside, g, t, R), shard), t)
+        hist = _histogram(s, key, todo, prefix, r, shift, t, R)
+        cnt, mn, mx, alpha, beta = _fold(_comm.exchange(hist, shard), t)
         # the non-empty bins first, in order: m atoms per row (padding after them)
         m = max(1, int((cnt > 0).sum(1).max()))
         binid = torch.sort((cnt == 0).to(torch.int8), dim=1, stable=True).indices[:, :m]
