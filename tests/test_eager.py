@@ -2,12 +2,20 @@
 k and temperature reuse cached per-row tensors (no fill per call), a dim that is already
 last costs no movedim, and the backward returns gradients for k and t only when they
 require grad; the results stay those of the per-row tensor path."""
+import os
+import sys
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fastlapsum as fl
 from fastlapsum import functional as F
+
+from conftest import requires_cuda
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks"))
+from timing import capture_graph  # noqa: E402  (benchmarks/timing.py)
 
 F64 = torch.float64
 
@@ -138,3 +146,20 @@ def test_backward_of_rows_without_scores():
                        torch.ops.fastlapsum.lapsum_threshold_backward(b, x, b, t, True)):
         assert gx.shape == (3, 0)
         assert bool((gk == 0).all()) and bool((gt == 0).all())
+
+
+@requires_cuda
+def test_cuda_graph_does_not_read_the_cache():
+    """A captured call fills its own k / t rows: overwriting every cached tensor after the
+    capture does not change what the graph replays, nor does clearing the cache."""
+    x = scores("cuda", 8, 300)
+    want = fl.soft_topk(x, 5, 0.5)  # a cache entry for the current stream
+    graph, out = capture_graph(lambda: fl.soft_topk(x, 5, 0.5))
+    assert F._CONSTANT_ROWS
+    for v in F._CONSTANT_ROWS.values():
+        v.fill_(float("nan"))
+    F._CONSTANT_ROWS.clear()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(fl.soft_topk(x, 5, 0.5), want, rtol=0, atol=0)
