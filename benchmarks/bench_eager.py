@@ -21,6 +21,10 @@ k and the temperature are Python scalars, as a user passes them.
 
     python benchmarks/bench_eager.py --device cuda   # -> benchmarks/results/eager_h200.json
     python benchmarks/bench_eager.py --device cpu --iters 20
+    python benchmarks/bench_eager.py --shape 16x64:8 --profile   # host cost alone, and where it goes
+
+--profile writes a torch.profiler table of 20 forward + autograd.grad calls at the first
+shape (ops and kernel launches by self CPU time) to eager_profile_<device>.txt next to the JSON.
 """
 from __future__ import annotations
 
@@ -144,6 +148,30 @@ def bench_shape(rows: int, n: int, k: int, dev: torch.device, iters: int, repeat
     return row
 
 
+def profile_table(rows: int, n: int, k: int, dev: torch.device) -> str:
+    """torch.profiler of 20 forward + autograd.grad calls: where the host time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(rows, n, device=dev).requires_grad_()
+    g = torch.randn(rows, n, device=dev)
+    step = lambda: torch.autograd.grad(fastlapsum.soft_topk(x, k, 1.0), x, g)  # noqa: E731
+    for _ in range(5):
+        step()
+    _sync(dev)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(20):
+            step()
+        _sync(dev)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    rows_n, k = text.split(":")
+    rows, n = rows_n.lower().split("x")
+    return int(rows), int(n), int(k)
+
+
 def _fmt(v) -> str:
     return "      -" if v is None else f"{v:9.1f}"
 
@@ -154,7 +182,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200, help="back-to-back calls per timing (default 200)")
     ap.add_argument("--repeats", type=int, default=3, help="timings per column; the minimum is kept")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/eager_<h200|cpu>.json)")
+    ap.add_argument("--shape", type=_shape, action="append", default=None, metavar="ROWSxN:K",
+                    help="shapes to run instead of the issue's three (repeatable), e.g. 16x64:8")
+    ap.add_argument("--profile", action="store_true", help="also write a profiler table of the first shape")
     args = ap.parse_args()
+    shapes = args.shape or SHAPES
     dev = torch.device(args.device)
     if dev.type == "cuda":
         name = torch.cuda.get_device_name(dev)
@@ -168,7 +200,7 @@ def main() -> None:
     print(f"{name} | torch {torch.__version__} | {args.iters} calls x {args.repeats} repeats, µs per call")
     print(f"{'rows x n, k':>22} " + " ".join(f"{c[:-3][:9]:>9}" for c in cols))
     out_rows = []
-    for rows, n, k in SHAPES:
+    for rows, n, k in shapes:
         row = bench_shape(rows, n, k, dev, args.iters, args.repeats)
         out_rows.append(row)
         print(f"{f'{rows} x {n}, {k}':>22} " + " ".join(_fmt(row[c]) for c in cols), flush=True)
@@ -180,6 +212,13 @@ def main() -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")
+    if args.profile:
+        prof_path = os.path.join(os.path.dirname(path), f"eager_profile_{tag}.txt")
+        with open(prof_path, "w") as f:
+            f.write(f"{name} | torch {torch.__version__} | 20 x (soft_topk + autograd.grad) at "
+                    f"{shapes[0][0]} x {shapes[0][1]}, k = {shapes[0][2]}\n")
+            f.write(profile_table(*shapes[0], dev))
+        print(f"wrote {prof_path}")
 
 
 if __name__ == "__main__":
