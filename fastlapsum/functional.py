@@ -143,8 +143,11 @@ def _per_row(v, name: str, x: torch.Tensor, batch, rows: int, *, positive: bool,
 
 # Per-row k / t tensors of Python numbers, reused across calls (the kernels and autograd
 # only read them). Keyed by value, rows, device and, on CUDA, the stream the fill ran on.
+# At most 64 entries of up to 2^16 rows (32 MiB); more rows are filled per call, a cost
+# small next to the kernels' at that size.
 _CONSTANT_ROWS: dict = {}
 _CONSTANT_ROWS_MAX = 64
+_CONSTANT_ROWS_MAX_ROWS = 1 << 16
 
 
 def _constant_rows(f: float, rows: int, device: torch.device) -> torch.Tensor:
@@ -152,7 +155,9 @@ def _constant_rows(f: float, rows: int, device: torch.device) -> torch.Tensor:
     dispatch mode or a torch.func transform (fake, traced or wrapped tensors, which must
     not outlive them) nor during CUDA-graph capture (the fill would not have run, and a
     graph must not read memory the cache may free)."""
-    if device.type == "cpu":
+    if rows > _CONSTANT_ROWS_MAX_ROWS:
+        key = None
+    elif device.type == "cpu":
         key = (f, rows, device)
     elif device.type == "cuda" and not torch._C._cuda_isCurrentStreamCapturing():
         key = (f, rows, device, torch._C._cuda_getCurrentStream(device.index)[0])

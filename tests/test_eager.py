@@ -91,6 +91,9 @@ def test_cache_stays_bounded_and_plain():
         fl.soft_topk(x, 3, 0.5 + i / 100)
     assert 0 < len(F._CONSTANT_ROWS) <= F._CONSTANT_ROWS_MAX
     F._CONSTANT_ROWS.clear()
+    many = scores("cpu", F._CONSTANT_ROWS_MAX_ROWS + 1, 2)
+    torch.testing.assert_close(fl.soft_topk(many, 1, 0.5).sum(-1), torch.ones(many.shape[0]))
+    assert not F._CONSTANT_ROWS  # too many rows to keep
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(x)
         assert fl.soft_topk(fake, 4, 0.9).shape == x.shape
