@@ -33,6 +33,8 @@ class LapSumInfo(NamedTuple):
 def _as_int(v, name: str, what: str) -> int:
     """An integer argument as torch takes one: a Python or NumPy integer, or an integer
     tensor of one element; never a bool (True is not dim 1) or a float."""
+    if type(v) is int:
+        return v
     if isinstance(v, torch.Tensor):
         if v.dtype == torch.bool or v.is_floating_point() or v.is_complex() or v.numel() != 1:
             raise TypeError(f"{what}: {name} must be an int, got a {v.dtype} tensor of shape {tuple(v.shape)}")
@@ -52,7 +54,7 @@ def _check_tensor(x, what: str) -> None:
 
 def _check_dim(x: torch.Tensor, dim, what: str) -> int:
     """dim as an int in [0, x.dim()); a 0-d x takes dim 0 or -1, as in torch."""
-    d = dim if type(dim) is int else _as_int(dim, "dim", what)
+    d = _as_int(dim, "dim", what)
     nd = max(x.dim(), 1)
     if not -nd <= d < nd:
         raise IndexError(f"{what}: dim {d} out of range for a {x.dim()}-d tensor")
