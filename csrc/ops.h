@@ -23,8 +23,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cpu(const at::Te
                                                                     bool largest, int64_t method);
 at::Tensor lapsum_mask_cpu(const at::Tensor& x, const at::Tensor& b, const at::Tensor& t,
                            const at::Tensor& edge, bool largest, bool log_mode);
-// hard=true mask: exactly round(k_r) ones per row (smaller index wins ties).
-at::Tensor hard_mask_cpu(const at::Tensor& x, const at::Tensor& k, bool largest);
+// hard=true mask: exactly k_r ones per row (smaller index wins ties); a NaN row where
+// b_r is NaN or k_r is not an integer in [0, n].
+at::Tensor hard_mask_cpu(const at::Tensor& x, const at::Tensor& k, const at::Tensor& b, bool largest);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_forward_cpu(
     const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest, int64_t method,
     int64_t mode);

@@ -184,7 +184,7 @@ def _graph_wanted(*tensors) -> bool:
 def threshold_vjp(gb, x, k, t, b, largest: bool) -> tuple:
     if _graph_wanted(gb, x, k, t):
         return threshold_vjp_graph(gb, x, k, t, b, largest)
-    return ops.lapsum_threshold_backward(gb, x, b, t, largest)
+    return ops.lapsum_threshold_backward.default(gb, x, b, t, largest)
 
 
 # ---- the Functions -------------------------------------------------------------------
@@ -218,7 +218,9 @@ def _threshold_backward(ctx, gb: Optional[Tensor]) -> tuple:
     if gb is None:
         return (None,) * 5
     x, k, t, b = ctx.saved_tensors
-    return (*threshold_vjp(gb, x, k, t, b, ctx.largest), None, None)
+    gx, gk, gt = threshold_vjp(gb, x, k, t, b, ctx.largest)
+    _, need_k, need_t = ctx.needs_input_grad[:3]
+    return gx, gk if need_k else None, gt if need_t else None, None, None
 
 
 def _threshold_tangent(ctx, dx, dk, dt) -> Tensor:
@@ -301,10 +303,11 @@ class _SoftTopK(torch.autograd.Function):
             return (None,) * 6
         x, k, t, b = ctx.saved_tensors
         if _graph_wanted(gp, x, k, t):
-            grads = soft_vjp_graph(gp, x, k, t, b, ctx.largest, ctx.log_mode)
+            gx, gk, gt = soft_vjp_graph(gp, x, k, t, b, ctx.largest, ctx.log_mode)
         else:
-            grads = ops.soft_topk_backward(gp, x, b, t, ctx.largest, ctx.log_mode)
-        return (*grads, None, None, None)
+            gx, gk, gt = ops.soft_topk_backward.default(gp, x, b, t, ctx.largest, ctx.log_mode)
+        _, need_k, need_t = ctx.needs_input_grad[:3]
+        return gx, gk if need_k else None, gt if need_t else None, None, None, None
 
     @staticmethod
     def jvp(ctx, dx, dk, dt, _l, _m, _mode) -> tuple:

@@ -33,6 +33,8 @@ class LapSumInfo(NamedTuple):
 def _as_int(v, name: str, what: str) -> int:
     """An integer argument as torch takes one: a Python or NumPy integer, or an integer
     tensor of one element; never a bool (True is not dim 1) or a float."""
+    if type(v) is int:
+        return v
     if isinstance(v, torch.Tensor):
         if v.dtype == torch.bool or v.is_floating_point() or v.is_complex() or v.numel() != 1:
             raise TypeError(f"{what}: {name} must be an int, got a {v.dtype} tensor of shape {tuple(v.shape)}")
@@ -59,26 +61,40 @@ def _check_dim(x: torch.Tensor, dim, what: str) -> int:
     return d % nd
 
 
-def _check_x(x: torch.Tensor, dim, what: str) -> int:
+def _check_x(x: torch.Tensor, dim, what: str) -> tuple[int, int]:
+    """-> (n, dim in [0, x.dim()))."""
     _check_tensor(x, what)
     if not x.is_floating_point():
         raise TypeError(f"{what}: x must be float16, bfloat16, float32 or float64, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError(f"{what}: x must have at least one dimension to select along")
-    n = x.shape[_check_dim(x, dim, what)]
+    d = _check_dim(x, dim, what)
+    n = x.shape[d]
     if n == 0:
         raise ValueError(f"{what}: the selection dimension is empty")
-    return n
+    return n, d
 
 
 def _as_rows(x: torch.Tensor, dim: int):
-    """[..., n, ...] -> contiguous [rows, n] and the batch shape (x without dim)."""
+    """[..., n, ...] -> [rows, n] and the batch shape (x without dim); dim in [0, x.dim()).
+    With dim last, a 2-d x passes as it is and others are only reshaped: no movedim (a
+    permute here, a node in the backward); the kernels make their input contiguous."""
+    if dim == x.dim() - 1:
+        return (x if dim == 1 else x.reshape(-1, x.shape[-1])), x.shape[:-1]
     xm = x.movedim(dim, -1)
     return xm.reshape(-1, xm.shape[-1]), xm.shape[:-1]
 
 
 def _from_rows(y: torch.Tensor, batch, dim: int) -> torch.Tensor:
+    """[rows, m] -> x's shape with m at dim (the inverse of _as_rows)."""
+    if dim == len(batch):  # dim was last
+        return y if dim == 1 else y.reshape(*batch, y.shape[-1])
     return y.reshape(*batch, y.shape[-1]).movedim(-1, dim)
+
+
+def _from_row_values(v: torch.Tensor, batch) -> torch.Tensor:
+    """[rows] -> the batch shape."""
+    return v if len(batch) == 1 else v.reshape(batch)
 
 
 def _checking_values() -> bool:
@@ -86,38 +102,79 @@ def _checking_values() -> bool:
     return not torch.compiler.is_compiling()
 
 
-def _per_row(v, name: str, x: torch.Tensor, batch, *, positive: bool, upper=None, integral=False,
-             what: str) -> torch.Tensor:
+def _tensor_per_row(v: torch.Tensor, name: str, x: torch.Tensor, batch, rows: int, *, positive: bool, upper,
+                    integral: bool, what: str, compiling: bool) -> torch.Tensor:
+    if v.is_complex() or v.dtype == torch.bool:
+        raise TypeError(f"{what}: {name} must be a real number or a real tensor, got {v.dtype}")
+    if v.device != x.device and not (v.dim() == 0 and v.device.type == "cpu"):
+        raise ValueError(f"{what}: {name} is on {v.device} but x is on {x.device}")
+    try:
+        v64 = v.to(device=x.device, dtype=torch.float64).broadcast_to(batch).reshape(rows)
+    except RuntimeError as e:
+        raise ValueError(f"{what}: {name} of shape {tuple(v.shape)} does not broadcast to "
+                         f"{tuple(batch)} (x without dim)") from e
+    # Data-dependent checks would break a compiled graph, and .item() fails under vmap.
+    if (v.device.type == "cpu" and not compiling and v.numel() > 0
+            and not torch._C._functorch.is_functorch_wrapped_tensor(v)):
+        _check_values(v.detach().double(), name, positive=positive, upper=upper, integral=integral, what=what)
+    return v64
+
+
+def _per_row(v, name: str, x: torch.Tensor, batch, rows: int, *, positive: bool, upper=None, integral=False,
+             what: str, compiling: bool) -> torch.Tensor:
     """A number or a tensor broadcastable to the batch shape -> float64 [rows]."""
-    rows = math.prod(batch)
-    if isinstance(v, torch.Tensor):
-        if v.is_complex() or v.dtype == torch.bool:
-            raise TypeError(f"{what}: {name} must be a real number or a real tensor, got {v.dtype}")
-        if v.device != x.device and not (v.dim() == 0 and v.device.type == "cpu"):
-            raise ValueError(f"{what}: {name} is on {v.device} but x is on {x.device}")
-        try:
-            v64 = v.to(device=x.device, dtype=torch.float64).broadcast_to(batch).reshape(rows)
-        except RuntimeError as e:
-            raise ValueError(f"{what}: {name} of shape {tuple(v.shape)} does not broadcast to "
-                             f"{tuple(batch)} (x without dim)") from e
-        if (v.device.type == "cpu" and _checking_values() and v.numel() > 0
-                and not torch._C._functorch.is_functorch_wrapped_tensor(v)):  # no .item() under vmap
-            _check_values(v.detach().double(), name, positive=positive, upper=upper, integral=integral, what=what)
-        return v64
-    if not isinstance(v, numbers.Real) or isinstance(v, bool):
-        raise TypeError(f"{what}: {name} must be a real number or a tensor, got {type(v).__name__}")
-    if torch.compiler.is_compiling():
-        # A float that changes between calls is symbolic here: a Python check on it, or
-        # torch.full's fill value, would break the graph or specialize it (a recompile per
-        # value); a multiply keeps it a graph input. Unchecked, like tensor values.
-        return torch.ones(rows, dtype=torch.float64, device=x.device) * v
+    if compiling or (type(v) is not float and type(v) is not int):  # else the eager fast path
+        if isinstance(v, torch.Tensor):
+            return _tensor_per_row(v, name, x, batch, rows, positive=positive, upper=upper, integral=integral,
+                                   what=what, compiling=compiling)
+        if not isinstance(v, numbers.Real) or isinstance(v, bool):
+            raise TypeError(f"{what}: {name} must be a real number or a tensor, got {type(v).__name__}")
+        if compiling:
+            # A float that changes between calls is symbolic here: a Python check on it, or
+            # torch.full's fill value, would break the graph or specialize it (a recompile per
+            # value); a multiply keeps it a graph input. Unchecked, like tensor values.
+            return torch.ones(rows, dtype=torch.float64, device=x.device) * v
     f = float(v)
     if not math.isfinite(f) or (f <= 0 if positive else f < 0) or (upper is not None and f > upper):
         bound = "> 0" if positive else (f">= 0 and <= n = {upper}" if upper is not None else ">= 0")
         raise ValueError(f"{what}: {name} must be finite and {bound}, got {f}")
     if integral and f != round(f):
         raise ValueError(f"{what}: {name} must be integral when hard=True, got {f}")
-    return torch.full((rows,), f, dtype=torch.float64, device=x.device)
+    return _constant_rows(f, rows, x.device)
+
+
+# Per-row k / t tensors of Python numbers, reused across calls (the kernels and autograd
+# only read them). Keyed by value, rows, device and, on CUDA, the stream the fill ran on.
+# At most 64 entries of up to 2^16 rows (32 MiB); more rows are filled per call, a cost
+# small next to the kernels' at that size.
+_CONSTANT_ROWS: dict = {}
+_CONSTANT_ROWS_MAX = 64
+_CONSTANT_ROWS_MAX_ROWS = 1 << 16
+
+
+def _constant_rows(f: float, rows: int, device: torch.device) -> torch.Tensor:
+    """float64 [rows] filled with f, from the cache when it can be. Not cached under a
+    dispatch mode or a torch.func transform (fake, traced or wrapped tensors, which must
+    not outlive them) nor during CUDA-graph capture (the fill would not have run, and a
+    graph must not read memory the cache may free)."""
+    if rows > _CONSTANT_ROWS_MAX_ROWS:
+        key = None
+    elif device.type == "cpu":
+        key = (f, rows, device)
+    elif device.type == "cuda" and not torch._C._cuda_isCurrentStreamCapturing():
+        key = (f, rows, device, torch._C._cuda_getCurrentStream(device.index)[0])
+    else:
+        key = None
+    if key is None or torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active():
+        return torch.full((rows,), f, dtype=torch.float64, device=device)
+    v = _CONSTANT_ROWS.get(key)
+    if v is None:
+        with torch.inference_mode(False):  # also usable outside inference mode later
+            v = torch.full((rows,), f, dtype=torch.float64, device=device)
+        if len(_CONSTANT_ROWS) >= _CONSTANT_ROWS_MAX:
+            _CONSTANT_ROWS.clear()
+        _CONSTANT_ROWS[key] = v
+    return v
 
 
 def _check_values(v: torch.Tensor, name, *, positive, upper, integral, what) -> None:
@@ -140,11 +197,12 @@ def _method(method: str, what: str) -> int:
 
 
 def _prepare(x, k, temperature, dim, method, what, integral=False) -> tuple:
-    n = _check_x(x, dim, what)
-    rows_x, batch = _as_rows(x, dim)
-    kk = _per_row(k, "k", x, batch, positive=False, upper=n, integral=integral, what=what)
-    tt = _per_row(temperature, "temperature", x, batch, positive=True, what=what)
-    return rows_x, batch, kk, tt, _method(method, what)
+    n, d = _check_x(x, dim, what)
+    rows_x, batch = _as_rows(x, d)
+    rows, compiling = rows_x.shape[0], torch.compiler.is_compiling()
+    kk = _per_row(k, "k", x, batch, rows, positive=False, upper=n, integral=integral, what=what, compiling=compiling)
+    tt = _per_row(temperature, "temperature", x, batch, rows, positive=True, what=what, compiling=compiling)
+    return rows_x, batch, d, kk, tt, _method(method, what)
 
 
 def soft_topk(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *, dim: int = -1,
@@ -160,38 +218,38 @@ def soft_topk(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *, dim: int
     does not depend on it.
     Rows with NaN give NaN; +inf scores get 1 while the budget allows, -inf get 0.
     """
-    rows_x, batch, kk, tt, m = _prepare(x, k, temperature, dim, method, "soft_topk", integral=hard)
+    rows_x, batch, d, kk, tt, m = _prepare(x, k, temperature, dim, method, "soft_topk", integral=hard)
     p, _, _ = _ad.soft_topk_forward(rows_x, kk, tt, largest, m, MODE_HARD if hard else MODE_SOFT)
-    return _from_rows(p, batch, dim)
+    return _from_rows(p, batch, d)
 
 
 def log_soft_topk(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *, dim: int = -1,
                   largest: bool = True, method: str = "auto") -> torch.Tensor:
     """log of soft_topk's mask, computed without cancellation (log p ~ (x - b)/t + log 1/2
     far below the threshold, where p itself underflows)."""
-    rows_x, batch, kk, tt, m = _prepare(x, k, temperature, dim, method, "log_soft_topk")
+    rows_x, batch, d, kk, tt, m = _prepare(x, k, temperature, dim, method, "log_soft_topk")
     p, _, _ = _ad.soft_topk_forward(rows_x, kk, tt, largest, m, MODE_LOG)
-    return _from_rows(p, batch, dim)
+    return _from_rows(p, batch, d)
 
 
 def lapsum_threshold(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *, dim: int = -1,
                      largest: bool = True, method: str = "auto") -> torch.Tensor:
     """The threshold b of each row, float64, shaped like x without `dim`; differentiable
     in x, k and temperature. For largest=False the mask is F((b - x_i)/t)."""
-    rows_x, batch, kk, tt, m = _prepare(x, k, temperature, dim, method, "lapsum_threshold")
+    rows_x, batch, d, kk, tt, m = _prepare(x, k, temperature, dim, method, "lapsum_threshold")
     b, _, _ = _ad.lapsum_threshold(rows_x, kk, tt, largest, m)
-    return b.reshape(batch)
+    return _from_row_values(b, batch)
 
 
 def lapsum_diagnostics(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *, dim: int = -1,
                        largest: bool = True, method: str = "auto") -> LapSumInfo:
     """Threshold plus which solver path each row took (PATH_NAMES), the size of the set it
     ordered exactly and the bracket attempts. Stays on x's device: no host sync."""
-    rows_x, batch, kk, tt, m = _prepare(x, k, temperature, dim, method, "lapsum_diagnostics")
+    rows_x, batch, d, kk, tt, m = _prepare(x, k, temperature, dim, method, "lapsum_diagnostics")
     with torch.no_grad():
         b, _, diag = _ad.lapsum_threshold(rows_x, kk, tt, largest, m)
-    d = diag.reshape(*batch, 3)
-    return LapSumInfo(b.reshape(batch), d[..., 0], d[..., 1], d[..., 2])
+    info = diag.reshape(*batch, 3)
+    return LapSumInfo(b.reshape(batch), info[..., 0], info[..., 1], info[..., 2])
 
 
 # torch.topk's dtypes, plus bool. CUDA's selector takes floating rows; integer rows of

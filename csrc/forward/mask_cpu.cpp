@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <torch/types.h>
 
+#include <cmath>
 #include <vector>
 
 #include "../common/lapsum_math.h"
@@ -39,23 +40,26 @@ at::Tensor lapsum_mask_cpu(const at::Tensor& x_in, const at::Tensor& b_in, const
   return p;
 }
 
-at::Tensor hard_mask_cpu(const at::Tensor& x_in, const at::Tensor& k_in, bool largest) {
-  const at::Tensor x = x_in.contiguous(), k = k_in.contiguous();
+at::Tensor hard_mask_cpu(const at::Tensor& x_in, const at::Tensor& k_in, const at::Tensor& b_in,
+                         bool largest) {
+  const at::Tensor x = x_in.contiguous(), k = k_in.contiguous(), b = b_in.contiguous();
   const int64_t rows = x.size(0), n = x.size(1);
-  at::Tensor p = at::zeros_like(x);
+  at::Tensor p = at::empty_like(x);  // each row written once below: no fill, no masked_fill pass
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "hard_mask", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const double* kp = k.const_data_ptr<double>();
+    const double* bp = b.const_data_ptr<double>();
     scalar_t* pp = p.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
       std::vector<int64_t> idx;
       for (int64_t r = r0; r < r1; ++r) {
         scalar_t* row_out = pp + r * n;
         const double kr = kp[r];
-        if (!(kr >= 0 && kr <= n) || kr != std::nearbyint(kr)) {
+        if (std::isnan(bp[r]) || !(kr >= 0 && kr <= n) || kr != std::nearbyint(kr)) {
           std::fill(row_out, row_out + n, static_cast<scalar_t>(NAN));
           continue;
         }
+        std::fill(row_out, row_out + n, static_cast<scalar_t>(0));
         idx.resize(static_cast<int64_t>(kr));
         select_top_indices(xp + r * n, n, static_cast<int64_t>(kr), largest, false, idx.data());
         for (int64_t i : idx) row_out[i] = static_cast<scalar_t>(1);

@@ -246,8 +246,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_forward_cpu(
   auto [b, edge, diag] = lapsum_threshold_cpu(x, k, t, largest, method);
   at::Tensor p;
   if (mode == kModeHard) {
-    // A NaN row stays NaN; otherwise exactly k ones.
-    p = hard_mask_cpu(x, k, largest).masked_fill_(b.isnan().unsqueeze(1), NAN);
+    p = hard_mask_cpu(x, k, b, largest);  // a NaN row stays NaN; otherwise exactly k ones
   } else {
     p = lapsum_mask_cpu(x, b, t, edge, largest, mode == kModeLog);
   }
