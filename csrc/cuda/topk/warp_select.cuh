@@ -1,0 +1,247 @@
+// The warp-row kernel (warp_select_kernel): tiny rows (n <= TopkTuning::kWarpMaxN), one warp
+// per row, kWarpRows rows per CTA, the whole row in registers. One template for topk and
+// hard_mask (kMask), one launch for the batch.
+//
+// Layout: lane l holds kC chunks of V = 16/sizeof(T) consecutive scores; chunk c of lane l is
+// the vector c*32 + l, so a chunk is one coalesced 16-byte load per lane (scalar loads where
+// the row is not 16-byte aligned or the vector crosses the valid length). Each score is kept
+// as its 32-bit key (float_key ^ flip; the value is decoded back from it, exactly). Slots past
+// the valid length L hold key 0: their indices are larger than every valid one, so their
+// composites (key << 32 | ~index) are below every valid composite and never selected
+// (take <= L).
+//
+// Selection (exact, the composite order of topk_cuda.cu): an MSB-first bitwise search for
+// the take-th largest key G, one warp reduction (__reduce_add_sync) of the lanes' counts of
+// key >= candidate per bit. It stops early where a candidate's count equals take (then the
+// selection is exactly key >= candidate). Otherwise the selection is key > G plus the first
+// r = take - count(key > G) scores with key == G in index order (ties by smaller index).
+// Positions follow from one warp scan per chunk of the packed counts (key > G) | (key == G)
+// << 16: an item's output position is gt_before + min(ties_before, r), so the unsorted
+// output is in index order (deterministic). sorted=True with take <= 2 * 32 sorts in the
+// kernel: the selected composites are staged in shared memory and sorted by a register
+// bitonic network over the warp (best first; ties cannot occur, composites are unique).
+#pragma once
+
+#include <cstdint>
+
+#include "../../common/cuda_launch.cuh"
+#include "params.cuh"
+
+namespace fastlapsum {
+namespace {
+
+constexpr uint32_t kWarpFull = 0xffffffffu;
+
+__device__ __forceinline__ uint32_t warp_count(uint32_t x) {
+#if __CUDA_ARCH__ >= 800
+  return __reduce_add_sync(kWarpFull, x);
+#else
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) x += __shfl_xor_sync(kWarpFull, x, d);
+  return x;
+#endif
+}
+
+// How many of a lane's keys satisfy pred (four partial sums: a short dependency chain).
+template <int kI, typename Pred>
+__device__ __forceinline__ uint32_t lane_count(const uint32_t (&key)[kI], Pred pred) {
+  uint32_t c[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int j = 0; j < kI; ++j) c[j & 3] += pred(key[j]) ? 1u : 0u;
+  return (c[0] + c[1]) + (c[2] + c[3]);
+}
+
+// Descending bitonic sort of the warp's 32*S composites; element p = s*32 + lane is a[s].
+template <int S>
+__device__ __forceinline__ void warp_bitonic_desc(uint64_t (&a)[S], int lane) {
+#pragma unroll
+  for (int k = 2; k <= 32 * S; k <<= 1) {
+#pragma unroll
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      if (j >= 32) {  // partners in the same lane: slots s and s + j/32
+        const int js = j / 32;
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+          if ((s & js) != 0) continue;
+          const bool desc = ((s * 32 + lane) & k) == 0;
+          const uint64_t x = a[s], y = a[s + js];
+          if (desc ? x < y : x > y) {
+            a[s] = y;
+            a[s + js] = x;
+          }
+        }
+      } else {
+        const bool lower = (lane & j) == 0;
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+          const uint64_t y = __shfl_xor_sync(kWarpFull, a[s], j);
+          const bool desc = ((s * 32 + lane) & k) == 0;
+          a[s] = (lower == desc) ? (a[s] > y ? a[s] : y) : (a[s] < y ? a[s] : y);
+        }
+      }
+    }
+  }
+}
+
+// The selected composites, staged at their positions (< take <= 32*S), sorted and written.
+template <typename T, int S>
+__device__ __forceinline__ void warp_sorted_out(const Params& P, int64_t r, const uint64_t* stage, uint32_t take,
+                                                int lane) {
+  uint64_t a[S];
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    const uint32_t p = s * 32 + lane;
+    a[s] = p < take ? stage[p] : 0ull;  // 0: below every composite (no index is ~0)
+  }
+  warp_bitonic_desc<S>(a, lane);
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    const uint32_t p = s * 32 + lane;
+    if (p < take) emit<T>(P, r, p, a[s]);
+  }
+}
+
+template <typename T, bool kMask, int kC>
+__global__ void __launch_bounds__(TopkTuning::kWarpRows * 32) warp_select_kernel(Params P) {
+  begin_dependent_grid();
+  constexpr int V = 16 / static_cast<int>(sizeof(T)), kI = kC * V;
+  constexpr int kSortMax = TopkTuning::kWarpSortMaxK;
+  __shared__ uint64_t stage_all[TopkTuning::kWarpRows][kSortMax];
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int64_t r = int64_t(blockIdx.x) * TopkTuning::kWarpRows + w;
+  if (r >= P.rows) return;  // the whole warp: nothing below synchronises the CTA
+  const T* xr = static_cast<const T*>(P.x) + r * P.pitch;
+  const uint32_t flip = P.flip;
+  int64_t L64, take64;
+  if (!row_budget<kMask>(P, r, L64, take64)) {  // hard_mask: a whole NaN row
+    T* mrow = static_cast<T*>(P.out_mask) + r * P.n;
+    for (int64_t i = lane; i < P.n; i += 32) mrow[i] = static_cast<T>(NAN);
+    return;
+  }
+  const uint32_t L = static_cast<uint32_t>(L64), take = static_cast<uint32_t>(take64);
+  if (!kMask && take == 0) {
+    pad_row<T>(P, r, 0, lane, 32);
+    return;
+  }
+
+  // ---- the row's keys: every load in flight before the first is used ----
+  const bool aligned = (reinterpret_cast<uintptr_t>(xr) & 15) == 0;
+  uint32_t key[kI];
+  {
+    int4 raw[kC];
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      const uint32_t v = c * 32 + lane;
+      if (v * V < L) raw[c] = load_raw_vec<T>(xr, v, L, aligned);  // reads only scores < L
+    }
+#pragma unroll
+    for (int c = 0; c < kC; ++c)
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const uint32_t i = (c * 32 + lane) * V + e;
+        key[c * V + e] = i < L ? float_key(raw_score<T>(raw[c], e)) ^ flip : 0u;
+      }
+  }
+
+  // ---- G, the take-th largest key, by bits from the top ----
+  uint32_t prefix = 0;
+  bool exact = false;
+#pragma unroll 1
+  for (int b = 31; b >= 0; --b) {
+    const uint32_t cand = prefix | (1u << b);  // key >= cand <=> (key >> b) >= (cand >> b)
+    const uint32_t cnt = warp_count(lane_count(key, [&](uint32_t k) { return k >= cand; }));
+    if (cnt >= take) {
+      prefix = cand;
+      if (cnt == take) {  // exactly key >= cand
+        exact = true;
+        break;
+      }
+    }
+  }
+  uint32_t G, r_ties;  // selected: key > G, and the first r_ties with key == G
+  if (exact) {
+    G = prefix - 1;
+    r_ties = 0;
+  } else {
+    G = prefix;
+    r_ties = take - warp_count(lane_count(key, [&](uint32_t k) { return k > G; }));
+  }
+
+  // ---- output, chunk by chunk in index order ----
+  const bool in_sort = !kMask && P.warp_sort != 0;
+  uint64_t* stage = stage_all[w];
+  T* mrow = kMask ? static_cast<T*>(P.out_mask) + r * P.n : nullptr;
+  const bool mask_aligned = kMask && (reinterpret_cast<uintptr_t>(mrow) & 15) == 0;
+  uint32_t gt_base = 0, tie_base = 0;
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+    uint32_t own = 0;  // (key > G) | (key == G) << 16 over this lane's vector
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const uint32_t k = key[c * V + e];
+      own += k > G ? 1u : (k == G ? 0x10000u : 0u);
+    }
+    uint32_t incl = own;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const uint32_t y = __shfl_up_sync(kWarpFull, incl, d);
+      if (lane >= d) incl += y;
+    }
+    const uint32_t tot = __shfl_sync(kWarpFull, incl, 31), excl = incl - own;
+    uint32_t gb = gt_base + (excl & 0xFFFFu), tb = tie_base + (excl >> 16);
+    gt_base += tot & 0xFFFFu;
+    tie_base += tot >> 16;
+    const uint32_t v = c * 32 + lane;
+    bool sel[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const uint32_t k = key[c * V + e];
+      const uint32_t pos = gb + (tb < r_ties ? tb : r_ties);
+      if (k > G) {
+        sel[e] = true;
+        ++gb;
+      } else if (k == G) {
+        sel[e] = tb < r_ties;
+        ++tb;
+      } else {
+        sel[e] = false;
+      }
+      if (!kMask && sel[e]) {
+        const uint64_t comp = composite(k, v * V + e);
+        if (in_sort) {
+          stage[pos] = comp;
+        } else {
+          emit<T>(P, r, pos, comp);
+        }
+      }
+    }
+    if (kMask && v * V < P.n) {
+      T t[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) t[e] = static_cast<T>(sel[e] ? 1.0f : 0.0f);
+      if (mask_aligned && (v + 1) * V <= P.n) {
+        int4 q;
+        memcpy(&q, t, 16);
+        reinterpret_cast<int4*>(mrow)[v] = q;
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e)
+          if (v * V + e < P.n) mrow[v * V + e] = t[e];
+      }
+    }
+  }
+  if constexpr (!kMask) {
+    if (in_sort) {
+      __syncwarp();
+      if (take <= 32) {
+        warp_sorted_out<T, 1>(P, r, stage, take, lane);
+      } else {
+        warp_sorted_out<T, kSortMax / 32>(P, r, stage, take, lane);
+      }
+    }
+    pad_row<T>(P, r, take, lane, 32);
+  }
+}
+
+}  // namespace
+}  // namespace fastlapsum
