@@ -18,9 +18,14 @@
 // Paths (chosen on the host from static shapes only; everything data-dependent is
 // decided on the device, so no host sync, fixed launch sequence, graph-capturable):
 //
+// 0. Tiny rows, n <= 2048 (use_warp_rows; MoE routers): the warp-row kernel
+//    (warp_select_kernel, warp_select.cuh), one warp a row, four rows a CTA, the row's keys
+//    in registers, a bisection for the take-th key by warp reductions, the output in index
+//    order by warp scans; sorted=True with K <= 64 is sorted in the same kernel (one launch).
+//    hard_mask too.
 // 1. Per-row kernel (row_select_kernel, one 512-thread CTA per row, two an SM; for 16-bit
-//    scores with 2.5*K <= 5632, 256 threads, four an SM), used unless the grid path below is
-//    chosen. Per row: L = valid length (lengths read on the device,
+//    scores with 2.5*K <= 5632, 256 threads, four an SM), used unless path 0 or the grid path
+//    below is chosen. Per row: L = valid length (lengths read on the device,
 //    clamped to [0, n]), take = min(K, L).
 //    - take == 0 or take == L: write all valid indices directly (+ -1 padding).
 //    - L <= cap (cap = smem candidate capacity): load the whole row into shared memory
@@ -58,17 +63,17 @@
 //    selected SET is deterministic, but the unsorted output ORDER of this path is not
 //    (tiles reserve output ranges with a global atomic); sorted=True is deterministic
 //    everywhere.
-// sorted=True: the kernels also write the composite (as an order-preserving int64), and
-// the K outputs of each row are then permuted by one at::sort of it (descending: best
-// first, ties by smaller index, padding last).
+// sorted=True (but path 0 with K <= 64): the kernels also write the composite (as an
+// order-preserving int64), and the K outputs of each row are then permuted by one at::sort
+// of it (descending: best first, ties by smaller index, padding last).
 // fp64 scores: a simple exact path composed of ATen ops (stable sort of int64 keys).
 // Row pitch: any x with stride(1) == 1 is used in place (16-byte vector loads when a
 // row's start is 16-byte aligned, scalar loads otherwise).
 // hard_mask_cuda: the same selectors with a per-row take = k_r (a whole NaN row where
 // k_r is not an integer in [0, n]), the output pass writing the 0/1 mask of the row.
 //
-// Files, all compiled in this translation unit: row_select.cuh (path 1), grid_select.cuh
-// (path 2), radix_select.cuh, row_pass.cuh and params.cuh (shared by both), tuning.cuh (the
+// Files, all compiled in this translation unit: warp_select.cuh (path 0), row_select.cuh
+// (path 1), grid_select.cuh (path 2), radix_select.cuh, row_pass.cuh and params.cuh (shared by both), tuning.cuh (the
 // measured constants). This file: the host's dispatch and the fp64 path.
 #include <ATen/Dispatch.h>
 #include <torch/library.h>

@@ -10,11 +10,12 @@
 // composites (key << 32 | ~index) are below every valid composite and never selected
 // (take <= L).
 //
-// Selection (exact, the composite order of topk_cuda.cu): an MSB-first bitwise search for
-// the take-th largest key G, one warp reduction (__reduce_add_sync) of the lanes' counts of
-// key >= candidate per bit. It stops early where a candidate's count equals take (then the
-// selection is exactly key >= candidate). Otherwise the selection is key > G plus the first
-// r = take - count(key > G) scores with key == G in index order (ties by smaller index).
+// Selection (exact, the composite order of topk_cuda.cu): a bisection for the take-th
+// largest key G over [lo, hi], a bracket from the lanes' maxima (see below), one warp
+// reduction (__reduce_add_sync) of the lanes' counts of key >= mid per step. It stops early
+// where a mid's count equals take (then the selection is exactly key >= mid). Otherwise the
+// selection is key > G plus the first r = take - count(key > G) scores with key == G in
+// index order (ties by smaller index).
 // Positions follow from one warp scan per chunk of the packed counts (key > G) | (key == G)
 // << 16: an item's output position is gt_before + min(ties_before, r), so the unsorted
 // output is in index order (deterministic). sorted=True with take <= 2 * 32 sorts in the
@@ -42,6 +43,25 @@ __device__ __forceinline__ uint32_t warp_count(uint32_t x) {
 #endif
 }
 
+__device__ __forceinline__ uint32_t warp_min_u32(uint32_t x) {
+#if __CUDA_ARCH__ >= 800
+  return __reduce_min_sync(kWarpFull, x);
+#else
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) x = min(x, __shfl_xor_sync(kWarpFull, x, d));
+  return x;
+#endif
+}
+__device__ __forceinline__ uint32_t warp_max_u32(uint32_t x) {
+#if __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(kWarpFull, x);
+#else
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) x = max(x, __shfl_xor_sync(kWarpFull, x, d));
+  return x;
+#endif
+}
+
 // How many of a lane's keys satisfy pred (four partial sums: a short dependency chain).
 template <int kI, typename Pred>
 __device__ __forceinline__ uint32_t lane_count(const uint32_t (&key)[kI], Pred pred) {
@@ -51,11 +71,14 @@ __device__ __forceinline__ uint32_t lane_count(const uint32_t (&key)[kI], Pred p
   return (c[0] + c[1]) + (c[2] + c[3]);
 }
 
-// Descending bitonic sort of the warp's 32*S composites; element p = s*32 + lane is a[s].
+// Descending bitonic sort of the first `width` (a power of two >= 2) of the warp's 32*S
+// composites; element p = s*32 + lane is a[s]. Past `width` the network's stages are not
+// run (those elements are left in blocks of `width`, each sorted).
 template <int S>
-__device__ __forceinline__ void warp_bitonic_desc(uint64_t (&a)[S], int lane) {
+__device__ __forceinline__ void warp_bitonic_desc(uint64_t (&a)[S], int lane, uint32_t width) {
 #pragma unroll
   for (int k = 2; k <= 32 * S; k <<= 1) {
+    if (static_cast<uint32_t>(k) > width) break;
 #pragma unroll
     for (int j = k >> 1; j > 0; j >>= 1) {
       if (j >= 32) {  // partners in the same lane: slots s and s + j/32
@@ -93,7 +116,9 @@ __device__ __forceinline__ void warp_sorted_out(const Params& P, int64_t r, cons
     const uint32_t p = s * 32 + lane;
     a[s] = p < take ? stage[p] : 0ull;  // 0: below every composite (no index is ~0)
   }
-  warp_bitonic_desc<S>(a, lane);
+  uint32_t width = 2;  // the network for the smallest power of two >= take
+  while (width < take) width <<= 1;
+  warp_bitonic_desc<S>(a, lane, width);
 #pragma unroll
   for (int s = 0; s < S; ++s) {
     const uint32_t p = s * 32 + lane;
@@ -132,7 +157,7 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32) warp_select_kernel
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
       const uint32_t v = c * 32 + lane;
-      if (v * V < L) raw[c] = load_raw_vec<T>(xr, v, L, aligned);  // reads only scores < L
+      raw[c] = v * V < L ? load_raw_vec<T>(xr, v, L, aligned) : int4{0, 0, 0, 0};  // reads only scores < L
     }
 #pragma unroll
     for (int c = 0; c < kC; ++c)
@@ -143,29 +168,49 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32) warp_select_kernel
       }
   }
 
-  // ---- G, the take-th largest key, by bits from the top ----
-  uint32_t prefix = 0;
+  // ---- G, the take-th largest key: bisection of [lo, hi] ----
+  // hi: the largest key. lo: a key with at least take keys >= it: the smallest lane maximum
+  // (take <= 32; the lanes' maxima are distinct slots), the smallest lane's second largest
+  // (take <= 64), else 0. On random rows this bracket is ~2^24 keys wide where the
+  // gap between the take-th and next key is ~2^17-2^19: the bisection stops (count == take)
+  // after ~6-8 counts, where bits from the top take ~14-18.
+  uint32_t m1 = 0, m2 = 0;  // the lane's largest and second largest key (slots, ties too)
+  if (take > 32 && take <= 64) {
+#pragma unroll
+    for (int j = 0; j < kI; ++j) {
+      m2 = max(m2, min(m1, key[j]));
+      m1 = max(m1, key[j]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kI; ++j) m1 = max(m1, key[j]);
+  }
+  uint32_t lo = 0;
+  if (take <= 64) {  // lanes with no valid score left out where the others hold take slots
+    const uint32_t per = take <= 32 ? 1u : 2u, lanes = min(32u, (L + V - 1) / V);
+    const bool skip = lanes * per >= take && static_cast<uint32_t>(lane) * V >= L;
+    lo = warp_min_u32(skip ? 0xFFFFFFFFu : (per == 1 ? m1 : m2));
+  }
+  uint32_t hi = warp_max_u32(m1);
+  if (take == 0) lo = hi;  // hard_mask's k = 0: G = the largest key, r_ties = 0
   bool exact = false;
 #pragma unroll 1
-  for (int b = 31; b >= 0; --b) {
-    const uint32_t cand = prefix | (1u << b);  // key >= cand <=> (key >> b) >= (cand >> b)
-    const uint32_t cnt = warp_count(lane_count(key, [&](uint32_t k) { return k >= cand; }));
+  while (lo < hi) {  // count(key >= lo) >= take > count(key > hi)
+    const uint32_t mid = lo + ((hi - lo) >> 1) + 1;  // in (lo, hi]
+    const uint32_t cnt = warp_count(lane_count(key, [&](uint32_t k) { return k >= mid; }));
     if (cnt >= take) {
-      prefix = cand;
-      if (cnt == take) {  // exactly key >= cand
+      lo = mid;
+      if (cnt == take) {  // exactly key >= mid
         exact = true;
         break;
       }
+    } else {
+      hi = mid - 1;
     }
   }
-  uint32_t G, r_ties;  // selected: key > G, and the first r_ties with key == G
-  if (exact) {
-    G = prefix - 1;
-    r_ties = 0;
-  } else {
-    G = prefix;
-    r_ties = take - warp_count(lane_count(key, [&](uint32_t k) { return k > G; }));
-  }
+  // selected: key > G, and the first r_ties with key == G in index order
+  const uint32_t G = exact ? lo - 1 : lo;  // lo > 0 where exact (lo = some mid > 0)
+  const uint32_t r_ties = exact ? 0u : take - warp_count(lane_count(key, [&](uint32_t k) { return k > G; }));
 
   // ---- output, chunk by chunk in index order ----
   const bool in_sort = !kMask && P.warp_sort != 0;
