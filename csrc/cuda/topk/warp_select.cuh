@@ -62,13 +62,20 @@ __device__ __forceinline__ uint32_t warp_max_u32(uint32_t x) {
 #endif
 }
 
-// How many of a lane's keys satisfy pred (four partial sums: a short dependency chain).
+// How many of a lane's keys satisfy pred: the tests as bits of a word and one popcount per
+// 32 keys (the compiler packs the predicates with P2R: about one instruction a key, where
+// summing 0/1 values takes three).
 template <int kI, typename Pred>
 __device__ __forceinline__ uint32_t lane_count(const uint32_t (&key)[kI], Pred pred) {
-  uint32_t c[4] = {0u, 0u, 0u, 0u};
+  uint32_t c = 0;
 #pragma unroll
-  for (int j = 0; j < kI; ++j) c[j & 3] += pred(key[j]) ? 1u : 0u;
-  return (c[0] + c[1]) + (c[2] + c[3]);
+  for (int j0 = 0; j0 < kI; j0 += 32) {
+    uint32_t bits = 0;
+#pragma unroll
+    for (int j = j0; j < kI && j < j0 + 32; ++j) bits |= (pred(key[j]) ? 1u : 0u) << (j - j0);
+    c += __popc(bits);
+  }
+  return c;
 }
 
 // Descending bitonic sort of the first `width` (a power of two >= 2) of the warp's 32*S
@@ -217,15 +224,17 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32) warp_select_kernel
   uint64_t* stage = stage_all[w];
   T* mrow = kMask ? static_cast<T*>(P.out_mask) + r * P.n : nullptr;
   const bool mask_aligned = kMask && (reinterpret_cast<uintptr_t>(mrow) & 15) == 0;
-  uint32_t gt_base = 0, tie_base = 0;
+  uint32_t gt_base = 0, tie_base = 0;  // over the chunks before this one
 #pragma unroll
   for (int c = 0; c < kC; ++c) {
-    uint32_t own = 0;  // (key > G) | (key == G) << 16 over this lane's vector
+    const uint32_t v = c * 32 + lane;
+    uint32_t gm = 0, tm = 0;  // this lane's vector: key > G, key == G (bit e: score v*V + e)
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      const uint32_t k = key[c * V + e];
-      own += k > G ? 1u : (k == G ? 0x10000u : 0u);
+      gm |= (key[c * V + e] > G ? 1u : 0u) << e;
+      tm |= (key[c * V + e] == G ? 1u : 0u) << e;
     }
+    const uint32_t own = __popc(gm) | (__popc(tm) << 16);
     uint32_t incl = own;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
@@ -233,45 +242,41 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32) warp_select_kernel
       if (lane >= d) incl += y;
     }
     const uint32_t tot = __shfl_sync(kWarpFull, incl, 31), excl = incl - own;
-    uint32_t gb = gt_base + (excl & 0xFFFFu), tb = tie_base + (excl >> 16);
+    const uint32_t gb = gt_base + (excl & 0xFFFFu), tb = tie_base + (excl >> 16);  // before it
     gt_base += tot & 0xFFFFu;
     tie_base += tot >> 16;
-    const uint32_t v = c * 32 + lane;
-    bool sel[V];
+    // Its selected ties: its first r_ties - tb (ties are selected in index order).
+    const uint32_t nt = tb < r_ties ? min(static_cast<uint32_t>(__popc(tm)), r_ties - tb) : 0u;
+    uint32_t st = tm;
+    while (static_cast<uint32_t>(__popc(st)) > nt) st &= ~(0x80000000u >> __clz(st));  // drop the last
+    const uint32_t sm = gm | st;
+    if constexpr (kMask) {
+      if (v * V < P.n) {
+        T t[V];
 #pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const uint32_t k = key[c * V + e];
-      const uint32_t pos = gb + (tb < r_ties ? tb : r_ties);
-      if (k > G) {
-        sel[e] = true;
-        ++gb;
-      } else if (k == G) {
-        sel[e] = tb < r_ties;
-        ++tb;
-      } else {
-        sel[e] = false;
+        for (int e = 0; e < V; ++e) t[e] = static_cast<T>((sm >> e) & 1u ? 1.0f : 0.0f);
+        if (mask_aligned && (v + 1) * V <= P.n) {
+          int4 q;
+          memcpy(&q, t, 16);
+          reinterpret_cast<int4*>(mrow)[v] = q;
+        } else {
+#pragma unroll
+          for (int e = 0; e < V; ++e)
+            if (v * V + e < P.n) mrow[v * V + e] = t[e];
+        }
       }
-      if (!kMask && sel[e]) {
-        const uint64_t comp = composite(k, v * V + e);
+    } else if (sm != 0) {
+      const uint32_t base = gb + min(tb, r_ties);  // selected scores before this vector
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        if (((sm >> e) & 1u) == 0) continue;
+        const uint32_t pos = base + __popc(sm & ((1u << e) - 1u));
+        const uint64_t comp = composite(key[c * V + e], v * V + e);
         if (in_sort) {
           stage[pos] = comp;
         } else {
           emit<T>(P, r, pos, comp);
         }
-      }
-    }
-    if (kMask && v * V < P.n) {
-      T t[V];
-#pragma unroll
-      for (int e = 0; e < V; ++e) t[e] = static_cast<T>(sel[e] ? 1.0f : 0.0f);
-      if (mask_aligned && (v + 1) * V <= P.n) {
-        int4 q;
-        memcpy(&q, t, 16);
-        reinterpret_cast<int4*>(mrow)[v] = q;
-      } else {
-#pragma unroll
-        for (int e = 0; e < V; ++e)
-          if (v * V + e < P.n) mrow[v * V + e] = t[e];
       }
     }
   }
