@@ -62,6 +62,14 @@ __device__ __forceinline__ uint32_t warp_max_u32(uint32_t x) {
 #endif
 }
 
+// float_key(v) ^ flip without branches (NaN: all ones; -0: +0's key).
+__device__ __forceinline__ uint32_t score_key(float v, uint32_t flip) {
+  uint32_t u = __float_as_uint(v);
+  u = u == 0x80000000u ? 0u : u;
+  u ^= static_cast<uint32_t>(static_cast<int32_t>(u) >> 31) | 0x80000000u;
+  return (v != v ? 0xFFFFFFFFu : u) ^ flip;
+}
+
 // How many of a lane's keys satisfy pred: the tests as bits of a word and one popcount per
 // 32 keys (the compiler packs the predicates with P2R: about one instruction a key, where
 // summing 0/1 values takes three).
@@ -133,8 +141,10 @@ __device__ __forceinline__ void warp_sorted_out(const Params& P, int64_t r, cons
   }
 }
 
+// Registers: at most 128 (four CTAs an SM) where a lane holds 64 keys, else 64 (eight).
 template <typename T, bool kMask, int kC>
-__global__ void __launch_bounds__(TopkTuning::kWarpRows * 32) warp_select_kernel(Params P) {
+__global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T) >= 64 ? 4 : 8)
+    warp_select_kernel(Params P) {
   begin_dependent_grid();
   constexpr int V = 16 / static_cast<int>(sizeof(T)), kI = kC * V;
   constexpr int kSortMax = TopkTuning::kWarpSortMaxK;
@@ -167,12 +177,16 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32) warp_select_kernel
       raw[c] = v * V < L ? load_raw_vec<T>(xr, v, L, aligned) : int4{0, 0, 0, 0};  // reads only scores < L
     }
 #pragma unroll
-    for (int c = 0; c < kC; ++c)
+    for (int c = 0; c < kC; ++c) {
 #pragma unroll
-      for (int e = 0; e < V; ++e) {
-        const uint32_t i = (c * 32 + lane) * V + e;
-        key[c * V + e] = i < L ? float_key(raw_score<T>(raw[c], e)) ^ flip : 0u;
+      for (int e = 0; e < V; ++e) key[c * V + e] = score_key(raw_score<T>(raw[c], e), flip);
+      const uint32_t v = c * 32 + lane;
+      if ((v + 1) * V > L) {  // the row's tail vector or past it
+#pragma unroll
+        for (int e = 0; e < V; ++e)
+          if (v * V + e >= L) key[c * V + e] = 0u;
       }
+    }
   }
 
   // ---- G, the take-th largest key: bisection of [lo, hi] ----
