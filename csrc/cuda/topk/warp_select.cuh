@@ -33,31 +33,20 @@ namespace {
 
 constexpr uint32_t kWarpFull = 0xffffffffu;
 
-__device__ __forceinline__ uint32_t warp_count(uint32_t x) {
+// Warp-wide sum, min or max of a lane value: one REDUX on sm_80+, a butterfly before.
+enum class WarpOp { kSum, kMin, kMax };
+template <WarpOp kOp>
+__device__ __forceinline__ uint32_t warp_reduce(uint32_t x) {
 #if __CUDA_ARCH__ >= 800
-  return __reduce_add_sync(kWarpFull, x);
+  if constexpr (kOp == WarpOp::kSum) return __reduce_add_sync(kWarpFull, x);
+  else if constexpr (kOp == WarpOp::kMin) return __reduce_min_sync(kWarpFull, x);
+  else return __reduce_max_sync(kWarpFull, x);
 #else
 #pragma unroll
-  for (int d = 16; d > 0; d >>= 1) x += __shfl_xor_sync(kWarpFull, x, d);
-  return x;
-#endif
-}
-
-__device__ __forceinline__ uint32_t warp_min_u32(uint32_t x) {
-#if __CUDA_ARCH__ >= 800
-  return __reduce_min_sync(kWarpFull, x);
-#else
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) x = min(x, __shfl_xor_sync(kWarpFull, x, d));
-  return x;
-#endif
-}
-__device__ __forceinline__ uint32_t warp_max_u32(uint32_t x) {
-#if __CUDA_ARCH__ >= 800
-  return __reduce_max_sync(kWarpFull, x);
-#else
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) x = max(x, __shfl_xor_sync(kWarpFull, x, d));
+  for (int d = 16; d > 0; d >>= 1) {
+    const uint32_t y = __shfl_xor_sync(kWarpFull, x, d);
+    x = kOp == WarpOp::kSum ? x + y : (kOp == WarpOp::kMin ? min(x, y) : max(x, y));
+  }
   return x;
 #endif
 }
@@ -210,15 +199,15 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
   if (take <= 64) {  // lanes with no valid score left out where the others hold take slots
     const uint32_t per = take <= 32 ? 1u : 2u, lanes = min(32u, (L + V - 1) / V);
     const bool skip = lanes * per >= take && static_cast<uint32_t>(lane) * V >= L;
-    lo = warp_min_u32(skip ? 0xFFFFFFFFu : (per == 1 ? m1 : m2));
+    lo = warp_reduce<WarpOp::kMin>(skip ? 0xFFFFFFFFu : (per == 1 ? m1 : m2));
   }
-  uint32_t hi = warp_max_u32(m1);
+  uint32_t hi = warp_reduce<WarpOp::kMax>(m1);
   if (take == 0) lo = hi;  // hard_mask's k = 0: G = the largest key, r_ties = 0
   bool exact = false;
 #pragma unroll 1
   while (lo < hi) {  // count(key >= lo) >= take > count(key > hi)
     const uint32_t mid = lo + ((hi - lo) >> 1) + 1;  // in (lo, hi]
-    const uint32_t cnt = warp_count(lane_count(key, [&](uint32_t k) { return k >= mid; }));
+    const uint32_t cnt = warp_reduce<WarpOp::kSum>(lane_count(key, [&](uint32_t k) { return k >= mid; }));
     if (cnt >= take) {
       lo = mid;
       if (cnt == take) {  // exactly key >= mid
@@ -231,7 +220,8 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
   }
   // selected: key > G, and the first r_ties with key == G in index order
   const uint32_t G = exact ? lo - 1 : lo;  // lo > 0 where exact (lo = some mid > 0)
-  const uint32_t r_ties = exact ? 0u : take - warp_count(lane_count(key, [&](uint32_t k) { return k > G; }));
+  const uint32_t r_ties =
+      exact ? 0u : take - warp_reduce<WarpOp::kSum>(lane_count(key, [&](uint32_t k) { return k > G; }));
 
   // ---- output, chunk by chunk in index order ----
   const bool in_sort = !kMask && P.warp_sort != 0;
