@@ -18,9 +18,10 @@
 // index order (ties by smaller index).
 // Positions follow from one warp scan per chunk of the packed counts (key > G) | (key == G)
 // << 16: an item's output position is gt_before + min(ties_before, r), so the unsorted
-// output is in index order (deterministic). sorted=True with take <= 2 * 32 sorts in the
-// kernel: the selected composites are staged in shared memory and sorted by a register
-// bitonic network over the warp (best first; ties cannot occur, composites are unique).
+// output is in index order (deterministic). Where take <= kWarpSortMaxK (64) the selected
+// composites are staged in shared memory at their positions and written one a lane;
+// sorted=True (K <= 64) first sorts them by a register bitonic network over the warp (best
+// first; composites are unique, so ties by smaller index come out of the order itself).
 #pragma once
 
 #include <cstdint>
@@ -110,19 +111,23 @@ __device__ __forceinline__ void warp_bitonic_desc(uint64_t (&a)[S], int lane, ui
   }
 }
 
-// The selected composites, staged at their positions (< take <= 32*S), sorted and written.
+// The selected composites, staged at their positions (< take <= 32*S), written one a lane
+// (coalesced, where the lanes' own writes would scatter over as many store instructions as
+// vectors holding a selected score), sorted first where `sort`.
 template <typename T, int S>
-__device__ __forceinline__ void warp_sorted_out(const Params& P, int64_t r, const uint64_t* stage, uint32_t take,
-                                                int lane) {
+__device__ __forceinline__ void warp_staged_out(const Params& P, int64_t r, const uint64_t* stage, uint32_t take,
+                                                int lane, bool sort) {
   uint64_t a[S];
 #pragma unroll
   for (int s = 0; s < S; ++s) {
     const uint32_t p = s * 32 + lane;
     a[s] = p < take ? stage[p] : 0ull;  // 0: below every composite (no index is ~0)
   }
-  uint32_t width = 2;  // the network for the smallest power of two >= take
-  while (width < take) width <<= 1;
-  warp_bitonic_desc<S>(a, lane, width);
+  if (sort) {
+    uint32_t width = 2;  // the network for the smallest power of two >= take
+    while (width < take) width <<= 1;
+    warp_bitonic_desc<S>(a, lane, width);
+  }
 #pragma unroll
   for (int s = 0; s < S; ++s) {
     const uint32_t p = s * 32 + lane;
@@ -224,7 +229,7 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
       exact ? 0u : take - warp_reduce<WarpOp::kSum>(lane_count(key, [&](uint32_t k) { return k > G; }));
 
   // ---- output, chunk by chunk in index order ----
-  const bool in_sort = !kMask && P.warp_sort != 0;
+  const bool staged = !kMask && take <= kSortMax;  // outputs through shared memory
   uint64_t* stage = stage_all[w];
   T* mrow = kMask ? static_cast<T*>(P.out_mask) + r * P.n : nullptr;
   const bool mask_aligned = kMask && (reinterpret_cast<uintptr_t>(mrow) & 15) == 0;
@@ -276,7 +281,7 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
         if (((sm >> e) & 1u) == 0) continue;
         const uint32_t pos = base + __popc(sm & ((1u << e) - 1u));
         const uint64_t comp = composite(key[c * V + e], v * V + e);
-        if (in_sort) {
+        if (staged) {
           stage[pos] = comp;
         } else {
           emit<T>(P, r, pos, comp);
@@ -285,12 +290,12 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
     }
   }
   if constexpr (!kMask) {
-    if (in_sort) {
+    if (staged) {
       __syncwarp();
       if (take <= 32) {
-        warp_sorted_out<T, 1>(P, r, stage, take, lane);
+        warp_staged_out<T, 1>(P, r, stage, take, lane, P.warp_sort != 0);
       } else {
-        warp_sorted_out<T, kSortMax / 32>(P, r, stage, take, lane);
+        warp_staged_out<T, kSortMax / 32>(P, r, stage, take, lane, P.warp_sort != 0);
       }
     }
     pad_row<T>(P, r, take, lane, 32);
