@@ -298,14 +298,21 @@ def test_tiny_rows_unsorted_order(dtype):
 def test_tiny_rows_pitch_and_alignment():
     """Rows read in place with any pitch: unaligned starts, widths not a multiple of the
     vector, a single row."""
-    base = torch.randn(37, 263, generator=gen(23))
+    base = torch.randn(37, 263, generator=gen(23)).cuda()  # views of it keep the pitch on the device
     for view in (base[:, :256], base[:, 1:257], base[:, 3:36], base[:, :255], base[:1, 5:261]):
+        assert view.stride(0) == 263
         for k in (1, 8, 32):
             check(view, k)
             check(view, k, largest=False)
     half = base.half()
-    for view in (half[:, 1:257], half[:, 2:202], half[:, 8:264 - 7]):
+    for view in (half[:, 1:257], half[:, 2:202], half[:, 8:256]):
         check(view, 8)
+    mask_in = base[:, 1:257]  # hard_mask reads rows in place too
+    kk = torch.full((37,), 8.0, dtype=torch.float64)
+    t = torch.ones(37, dtype=torch.float64)
+    pg = torch.ops.fastlapsum.soft_topk_forward(mask_in, kk.cuda(), t.cuda(), True, 0, 2)[0]
+    pc = torch.ops.fastlapsum.soft_topk_forward(mask_in.cpu(), kk, t, True, 0, 2)[0]
+    torch.testing.assert_close(pg.cpu(), pc, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("shape,k", [((8192, 256), 8), ((4096, 64), 2), ((2048, 1024), 32), ((512, 2048), 64)])
