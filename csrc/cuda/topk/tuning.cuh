@@ -46,7 +46,9 @@ struct TopkTuningSm90 {
   // kWarpMaxN / 32 for every dtype). sorted=True sorts in the kernel for K <= kWarpSortMaxK
   // (a bitonic network over the warp, 1 or 2 composites a lane), above through at::sort.
   static constexpr int64_t kWarpMaxN = 2048;
-  static constexpr int kWarpRows = 4, kWarpMaxItems = 64, kWarpSortMaxK = 64;
+  // Rows of 32+ keys a lane bisect over the keys above the bracket's lower end where they
+  // fit kWarpCandPerLane a lane (~4-6 on random rows for take <= 64).
+  static constexpr int kWarpRows = 4, kWarpMaxItems = 64, kWarpSortMaxK = 64, kWarpCandPerLane = 8;
 };
 using TopkTuning = TopkTuningSm90;
 

@@ -52,6 +52,16 @@ __device__ __forceinline__ uint32_t warp_reduce(uint32_t x) {
 #endif
 }
 
+// Inclusive prefix sum over the lanes.
+__device__ __forceinline__ uint32_t warp_inclusive_sum(uint32_t x, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const uint32_t y = __shfl_up_sync(kWarpFull, x, d);
+    if (lane >= d) x += y;
+  }
+  return x;
+}
+
 // float_key(v) ^ flip without branches (NaN: all ones; -0: +0's key).
 __device__ __forceinline__ uint32_t score_key(float v, uint32_t flip) {
   uint32_t u = __float_as_uint(v);
@@ -143,6 +153,8 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
   constexpr int V = 16 / static_cast<int>(sizeof(T)), kI = kC * V;
   constexpr int kSortMax = TopkTuning::kWarpSortMaxK;
   __shared__ uint64_t stage_all[TopkTuning::kWarpRows][kSortMax];
+  constexpr int kCand = kI >= 32 ? TopkTuning::kWarpCandPerLane : 1;  // see the bisection
+  __shared__ uint32_t cand_all[TopkTuning::kWarpRows][kI >= 32 ? 32 * kCand : 1];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int64_t r = int64_t(blockIdx.x) * TopkTuning::kWarpRows + w;
   if (r >= P.rows) return;  // the whole warp: nothing below synchronises the CTA
@@ -208,11 +220,39 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
   }
   uint32_t hi = warp_reduce<WarpOp::kMax>(m1);
   if (take == 0) lo = hi;  // hard_mask's k = 0: G = the largest key, r_ties = 0
+  // Long rows (32+ keys a lane), take <= 64: every count below is of keys > lo, typically
+  // ~4-6 a lane of them; where they fit kCand a lane they are copied (in any order) to
+  // registers through shared memory, and the bisection counts those only.
+  uint32_t ck[kCand];
+  bool use_cand = false;
+  if constexpr (kI >= 32) {
+    if (take <= 64 && lo < hi) {
+      const uint32_t own = lane_count(key, [&](uint32_t k) { return k > lo; });
+      const uint32_t incl = warp_inclusive_sum(own, lane), total = __shfl_sync(kWarpFull, incl, 31);
+      if (total <= 32u * kCand) {
+        uint32_t* cb = cand_all[w];
+        uint32_t p = incl - own;
+#pragma unroll
+        for (int j = 0; j < kI; ++j)
+          if (key[j] > lo) cb[p++] = key[j];
+        __syncwarp();
+#pragma unroll
+        for (int s = 0; s < kCand; ++s) {
+          const uint32_t q = s * 32 + lane;
+          ck[s] = q < total ? cb[q] : 0u;  // 0: never > lo
+        }
+        use_cand = true;
+      }
+    }
+  }
+  const auto count = [&](auto pred) {  // over the row: pred holds for no key <= lo
+    return warp_reduce<WarpOp::kSum>(use_cand ? lane_count(ck, pred) : lane_count(key, pred));
+  };
   bool exact = false;
 #pragma unroll 1
   while (lo < hi) {  // count(key >= lo) >= take > count(key > hi)
     const uint32_t mid = lo + ((hi - lo) >> 1) + 1;  // in (lo, hi]
-    const uint32_t cnt = warp_reduce<WarpOp::kSum>(lane_count(key, [&](uint32_t k) { return k >= mid; }));
+    const uint32_t cnt = count([&](uint32_t k) { return k >= mid; });
     if (cnt >= take) {
       lo = mid;
       if (cnt == take) {  // exactly key >= mid
@@ -225,8 +265,7 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
   }
   // selected: key > G, and the first r_ties with key == G in index order
   const uint32_t G = exact ? lo - 1 : lo;  // lo > 0 where exact (lo = some mid > 0)
-  const uint32_t r_ties =
-      exact ? 0u : take - warp_reduce<WarpOp::kSum>(lane_count(key, [&](uint32_t k) { return k > G; }));
+  const uint32_t r_ties = exact ? 0u : take - count([&](uint32_t k) { return k > G; });
 
   // ---- output, chunk by chunk in index order ----
   const bool staged = !kMask && take <= kSortMax;  // outputs through shared memory
@@ -244,12 +283,7 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
       tm |= (key[c * V + e] == G ? 1u : 0u) << e;
     }
     const uint32_t own = __popc(gm) | (__popc(tm) << 16);
-    uint32_t incl = own;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const uint32_t y = __shfl_up_sync(kWarpFull, incl, d);
-      if (lane >= d) incl += y;
-    }
+    const uint32_t incl = warp_inclusive_sum(own, lane);
     const uint32_t tot = __shfl_sync(kWarpFull, incl, 31), excl = incl - own;
     const uint32_t gb = gt_base + (excl & 0xFFFFu), tb = tie_base + (excl >> 16);  // before it
     gt_base += tot & 0xFFFFu;
