@@ -12,10 +12,11 @@
 //
 // Selection (exact, the composite order of topk_cuda.cu): a bisection for the take-th
 // largest key G over [lo, hi], a bracket from the lanes' maxima (see below), one warp
-// reduction (__reduce_add_sync) of the lanes' counts of key >= mid per step. It stops early
-// where a mid's count equals take (then the selection is exactly key >= mid). Otherwise the
-// selection is key > G plus the first r = take - count(key > G) scores with key == G in
-// index order (ties by smaller index).
+// reduction (__reduce_add_sync) of the lanes' counts of key >= mid per step (on long rows
+// counting only the few keys above lo, compacted first). It stops early where a mid's count
+// equals take (then the selection is exactly key >= mid). Otherwise the selection is key > G
+// plus the first r = take - count(key > G) scores with key == G in index order (ties by
+// smaller index).
 // Positions follow from one warp scan per chunk of the packed counts (key > G) | (key == G)
 // << 16: an item's output position is gt_before + min(ties_before, r), so the unsorted
 // output is in index order (deterministic). Where take <= kWarpSortMaxK (64) the selected
@@ -245,7 +246,8 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
       }
     }
   }
-  const auto count = [&](auto pred) {  // over the row: pred holds for no key <= lo
+  // Counts over the row; each pred below holds only for keys above the initial lo.
+  const auto count = [&](auto pred) {
     return warp_reduce<WarpOp::kSum>(use_cand ? lane_count(ck, pred) : lane_count(key, pred));
   };
   bool exact = false;
