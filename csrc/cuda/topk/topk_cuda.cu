@@ -73,8 +73,8 @@
 // k_r is not an integer in [0, n]), the output pass writing the 0/1 mask of the row.
 //
 // Files, all compiled in this translation unit: warp_select.cuh (path 0), row_select.cuh
-// (path 1), grid_select.cuh (path 2), radix_select.cuh, row_pass.cuh and params.cuh (shared by both), tuning.cuh (the
-// measured constants). This file: the host's dispatch and the fp64 path.
+// (path 1), grid_select.cuh (path 2), radix_select.cuh, row_pass.cuh and params.cuh (shared),
+// tuning.cuh (the measured constants). This file: the host's dispatch and the fp64 path.
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
