@@ -5,6 +5,7 @@ must return the very same indices and values as the CPU op (the deterministic
 "smaller index wins" tie-break), and with sorted=False the same index *set*.
 
 Shapes are chosen to reach every execution path of the kernel file:
+  tiny rows (n <= 2048): the warp-row kernel (n <= 32: a thread a row), see the tests at the end;
   per-row kernel (unless the grid path is chosen): short rows in shared memory (L <= cap),
   sampled path (L > cap), exact fallback (sample proposal fails, or take too large);
   grid path (rows <= 64 and n >= 65536 where its cost estimate is lower: long rows, or a
@@ -222,9 +223,10 @@ def test_hard_mask_matches_cpu(dtype, shape):
         torch.testing.assert_close(pg.cpu(), pc, rtol=0, atol=0, equal_nan=True)
 
 
-# ---- tiny rows (n <= 2048): the warp-row kernel, a warp a row, the row in registers ----
+# ---- tiny rows (n <= 2048): the warp-row kernel, a warp a row, the row in registers; rows
+# of n <= 32 a thread a row (n <= 8, 16, 32 are its three builds) ----
 
-TINY_N = [1, 2, 31, 32, 33, 64, 255, 256, 257, 1000, 1024, 2048]
+TINY_N = [1, 2, 8, 16, 17, 31, 32, 33, 64, 255, 256, 257, 1000, 1024, 2048]
 
 
 def tiny_rows(rows, n, seed):
@@ -315,7 +317,8 @@ def test_tiny_rows_pitch_and_alignment():
     torch.testing.assert_close(pg.cpu(), pc, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("shape,k", [((8192, 256), 8), ((4096, 64), 2), ((2048, 1024), 32), ((512, 2048), 64)])
+@pytest.mark.parametrize("shape,k", [((8192, 256), 8), ((4096, 64), 2), ((2048, 1024), 32), ((512, 2048), 64),
+                                     ((8192, 8), 2), ((4096, 32), 4)])
 def test_tiny_rows_router_shapes(shape, k):
     """MoE router shapes against the CPU op, and the values against torch.topk's."""
     x = torch.randn(*shape, generator=gen(24))
@@ -325,7 +328,7 @@ def test_tiny_rows_router_shapes(shape, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32] + LOW_DTYPES)
-@pytest.mark.parametrize("n", [1, 33, 256, 257, 2048])
+@pytest.mark.parametrize("n", [1, 16, 33, 256, 257, 2048])
 def test_tiny_rows_hard_mask(n, dtype):
     """The straight-through mask on tiny rows: integral k in [0, n] -> exactly those ones; k
     not an integer in [0, n] -> a NaN row (through the op: the Python layer rejects it)."""

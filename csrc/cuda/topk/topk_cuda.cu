@@ -22,7 +22,8 @@
 //    (warp_select_kernel, warp_select.cuh), one warp a row, four rows a CTA, the row's keys
 //    in registers, a bisection for the take-th key by warp reductions, the output in index
 //    order by warp scans; sorted=True with K <= 64 is sorted in the same kernel (one launch).
-//    hard_mask too.
+//    Rows of n <= 32: a thread a row (thread_select_kernel, ranks by pairwise compares,
+//    output sorted). hard_mask too.
 // 1. Per-row kernel (row_select_kernel, one 512-thread CTA per row, two an SM; for 16-bit
 //    scores with 2.5*K <= 5632, 256 threads, four an SM), used unless path 0 or the grid path
 //    below is chosen. Per row: L = valid length (lengths read on the device,
@@ -140,7 +141,7 @@ bool use_grid_path(int64_t rows, int64_t n, int64_t K) {
 bool use_warp_rows(int64_t /*rows*/, int64_t n, int64_t /*K*/) { return n <= TopkTuning::kWarpMaxN; }
 
 // The warp-row kernel, instantiated for kC = 1, 2, 4, ... chunks of 32 vectors a lane: the
-// smallest that covers the row.
+// smallest that covers the row; rows of at most 32 scores a thread each.
 template <typename T, bool kMask>
 void launch_warp_rows(Params P, int64_t rows) {
   constexpr int V = 16 / sizeof(T), kMaxC = TopkTuning::kWarpMaxItems / V, kRows = TopkTuning::kWarpRows;
@@ -148,6 +149,15 @@ void launch_warp_rows(Params P, int64_t rows) {
   TORCH_CHECK(chunks <= kMaxC && (rows + kRows - 1) / kRows <= 2147483647LL,
               "fastlapsum.topk: shape out of range of the warp-row kernel");
   P.rows = rows;
+  if (P.n <= TopkTuning::kThreadMaxN) {  // a thread a row
+    constexpr int kT = TopkTuning::kThreadRowsPerCta;
+    const auto go = [&](auto kernel) {
+      launch_dependent(kernel, static_cast<unsigned>((rows + kT - 1) / kT), kT, 0, current_stream(), P);
+    };
+    if (P.n <= 8) return go(thread_select_kernel<T, kMask, 8>);
+    if (P.n <= 16) return go(thread_select_kernel<T, kMask, 16>);
+    return go(thread_select_kernel<T, kMask, TopkTuning::kThreadMaxN>);
+  }
   const auto go = [&](auto kernel) {
     launch_dependent(kernel, static_cast<unsigned>((rows + kRows - 1) / kRows), kRows * 32, 0, current_stream(), P);
   };

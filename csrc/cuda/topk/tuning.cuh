@@ -49,6 +49,9 @@ struct TopkTuningSm90 {
   // Rows of 32+ keys a lane bisect over the keys above the bracket's lower end where they
   // fit kWarpCandPerLane a lane (~4-6 on random rows for take <= 64).
   static constexpr int kWarpRows = 4, kWarpMaxItems = 64, kWarpSortMaxK = 64, kWarpCandPerLane = 8;
+  // Rows of n <= kThreadMaxN: a thread a row (ranks by pairwise compares), kThreadRowsPerCta
+  // rows a CTA.
+  static constexpr int kThreadMaxN = 32, kThreadRowsPerCta = 128;
 };
 using TopkTuning = TopkTuningSm90;
 

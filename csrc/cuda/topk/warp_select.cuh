@@ -1,6 +1,7 @@
 // The warp-row kernel (warp_select_kernel): tiny rows (n <= TopkTuning::kWarpMaxN), one warp
 // per row, kWarpRows rows per CTA, the whole row in registers. One template for topk and
-// hard_mask (kMask), one launch for the batch.
+// hard_mask (kMask), one launch for the batch. Rows of at most kThreadMaxN scores take
+// thread_select_kernel instead (a thread a row, at the end of this file).
 //
 // Layout: lane l holds kC chunks of V = 16/sizeof(T) consecutive scores; chunk c of lane l is
 // the vector c*32 + l, so a chunk is one coalesced 16-byte load per lane (scalar loads where
@@ -335,6 +336,51 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
       }
     }
     pad_row<T>(P, r, take, lane, 32);
+  }
+}
+
+// Rows of n <= kN (TopkTuning::kThreadMaxN) scores: a thread a row, 128 rows a CTA (a warp
+// would hold such a row in one or two lanes). Each valid score's rank among the row's
+// composites comes from the n(n-1)/2 pairwise key compares (among equal keys the smaller
+// index ranks first); slots past L hold key 0 and rank below every valid score. A selected
+// score (rank < take) is written at its rank: the output is sorted in either order.
+template <typename T, bool kMask, int kN>
+__global__ void __launch_bounds__(TopkTuning::kThreadRowsPerCta) thread_select_kernel(Params P) {
+  begin_dependent_grid();
+  const int64_t r = int64_t(blockIdx.x) * TopkTuning::kThreadRowsPerCta + threadIdx.x;
+  if (r >= P.rows) return;
+  const T* xr = static_cast<const T*>(P.x) + r * P.pitch;
+  int64_t L64, take64;
+  if (!row_budget<kMask>(P, r, L64, take64)) {
+    T* mrow = static_cast<T*>(P.out_mask) + r * P.n;
+    for (int64_t i = 0; i < P.n; ++i) mrow[i] = static_cast<T>(NAN);
+    return;
+  }
+  const uint32_t L = static_cast<uint32_t>(L64), take = static_cast<uint32_t>(take64);
+  uint32_t key[kN], rank[kN];
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    key[i] = static_cast<uint32_t>(i) < L ? score_key(to_float(xr[i]), P.flip) : 0u;
+    rank[i] = 0;
+  }
+#pragma unroll
+  for (int i = 1; i < kN; ++i)
+#pragma unroll
+    for (int j = 0; j < i; ++j) {  // j < i: i ranks first only with a larger key
+      const bool i_first = key[i] > key[j];
+      rank[j] += i_first ? 1u : 0u;
+      rank[i] += i_first ? 0u : 1u;
+    }
+  if constexpr (kMask) {
+    T* mrow = static_cast<T*>(P.out_mask) + r * P.n;
+#pragma unroll
+    for (int i = 0; i < kN; ++i)
+      if (i < P.n) mrow[i] = static_cast<T>(rank[i] < take ? 1.0f : 0.0f);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kN; ++i)
+      if (rank[i] < take) emit<T>(P, r, rank[i], composite(key[i], i));
+    pad_row<T>(P, r, take, 0, 1);
   }
 }
 
