@@ -73,8 +73,8 @@ __device__ __forceinline__ uint32_t score_key(float v, uint32_t flip) {
 }
 
 // How many of a lane's keys satisfy pred: the tests as bits of a word and one popcount per
-// 32 keys (the compiler packs the predicates with P2R: about one instruction a key, where
-// summing 0/1 values takes three).
+// 32 keys (a compare and a bit merge a key, or a P2R per seven; summing 0/1 values took
+// about three instructions a key).
 template <int kI, typename Pred>
 __device__ __forceinline__ uint32_t lane_count(const uint32_t (&key)[kI], Pred pred) {
   uint32_t c = 0;
