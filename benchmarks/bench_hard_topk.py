@@ -8,7 +8,8 @@ Cases (fp32 Gaussian scores):
   trace    a framework-like sequence of calls whose M shrinks as N grows (with lengths);
   single   one row of n = 1e6 ... 1e9 scores, k = n / 16 (up to --max-n);
   k-sweep  K in {512, 2048, 8192} on M = 2048, N = 256K causal rows;
-  router   many short rows with a small k (MoE routers: 65536 x 256, k = 8; 16384 x 64, k = 2).
+  router   many short rows with a small k (MoE routers: 65536 x 256, k = 8; 16384 x 64, k = 2;
+           65536 x 1024, k = 32; 4096 x 2048, k = 64: the warp-row kernel's regime).
 ours_ms is the median over CUDA-graph replays (device time); ours_eager_ms and
 torch_topk_ms are eager CUDA-event medians. Every output is checked outside the timed region: sorted values must equal
 torch.topk's exactly, the unsorted result must hold the same value multiset, and the
@@ -33,7 +34,7 @@ KB = 1024
 MATRIX_M = [512, 1024, 2048, 4096, 8192]
 MATRIX_N = [128 * KB, 256 * KB, 512 * KB, 1024 * KB]
 TRACE = [(8192, 128 * KB), (4096, 256 * KB), (2048, 512 * KB), (1024, 1024 * KB), (512, 1024 * KB)]
-ROUTER = [(65536, 256, 8), (16384, 64, 2)]  # (M, N, K)
+ROUTER = [(65536, 256, 8), (16384, 64, 2), (65536, 1024, 32), (4096, 2048, 64)]  # (M, N, K)
 
 
 class Failure(AssertionError):

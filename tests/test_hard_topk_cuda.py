@@ -5,6 +5,7 @@ must return the very same indices and values as the CPU op (the deterministic
 "smaller index wins" tie-break), and with sorted=False the same index *set*.
 
 Shapes are chosen to reach every execution path of the kernel file:
+  tiny rows (n <= 2048): the warp-row kernel (n <= 32: a thread a row), see the tests at the end;
   per-row kernel (unless the grid path is chosen): short rows in shared memory (L <= cap),
   sampled path (L > cap), exact fallback (sample proposal fails, or take too large);
   grid path (rows <= 64 and n >= 65536 where its cost estimate is lower: long rows, or a
@@ -36,18 +37,20 @@ def gen(seed):
 
 
 def check(x, k, *, largest=True, lengths=None):
-    """CUDA == CPU: sorted (identical indices and values) and unsorted (same sets)."""
+    """CUDA == CPU: sorted (identical indices and values) and unsorted (same sets). CUDA
+    lengths outside [0, n] are clamped on the device; the CPU op gets them clamped."""
     xc = x.cpu()
     xg = x.cuda() if not x.is_cuda else x
-    lc = None if lengths is None else lengths.cpu()
+    lc = None if lengths is None else lengths.cpu().clamp(0, x.shape[1])
     lg = None if lengths is None else lengths.cuda()
     vc, ic = fastlapsum.topk(xc, k, largest=largest, sorted=True, lengths=lc)
     vg, ig = fastlapsum.topk(xg, k, largest=largest, sorted=True, lengths=lg)
     assert torch.equal(ig.cpu(), ic), "sorted indices differ from the CPU op"
     torch.testing.assert_close(vg.cpu(), vc, rtol=0, atol=0, equal_nan=True)
     vu, iu = fastlapsum.topk(xg, k, largest=largest, sorted=False, lengths=lg)
-    assert_exact_topk(xg, k, vu, iu, largest=largest, lengths=lg)
+    assert_exact_topk(xg, k, vu, iu, largest=largest, lengths=lc)
     assert torch.equal(iu.cpu().sort(1).values, ic.sort(1).values), "unsorted index set differs from the CPU op"
+    return iu
 
 
 def hard_rows(rows, n, seed, *, stride_period=512):
@@ -218,3 +221,140 @@ def test_hard_mask_matches_cpu(dtype, shape):
         pc = fastlapsum.soft_topk(x, k, t, largest=largest, hard=True)
         pg = fastlapsum.soft_topk(x.cuda(), k.cuda(), t.cuda(), largest=largest, hard=True)
         torch.testing.assert_close(pg.cpu(), pc, rtol=0, atol=0, equal_nan=True)
+
+
+# ---- tiny rows (n <= 2048): the warp-row kernel, a warp a row, the row in registers; rows
+# of n <= 32 a thread a row (n <= 8, 16, 32 are its three builds) ----
+
+TINY_N = [1, 2, 8, 16, 17, 31, 32, 33, 64, 255, 256, 257, 1000, 1024, 2048]
+
+
+def tiny_rows(rows, n, seed):
+    """Adversarial short rows, cycled: gaussian, 3-level ties, constant, NaN / +-inf / +-0
+    sprinkled, -0/+0 only, all NaN, ascending, -inf but one."""
+    g = gen(seed)
+    out = []
+    for r in range(rows):
+        kind = r % 8
+        if kind == 0:
+            row = torch.randn(n, generator=g)
+        elif kind == 1:
+            row = torch.randint(0, 3, (n,), generator=g).float()
+        elif kind == 2:
+            row = torch.full((n,), -1.25)
+        elif kind == 3:
+            row = torch.randn(n, generator=g)
+            u = torch.rand(n, generator=g)
+            row[u < 0.1] = math.nan
+            row[(u >= 0.1) & (u < 0.2)] = math.inf
+            row[(u >= 0.2) & (u < 0.3)] = -math.inf
+            row[(u >= 0.3) & (u < 0.4)] = -0.0
+            row[(u >= 0.4) & (u < 0.5)] = 0.0
+        elif kind == 4:
+            row = torch.where(torch.rand(n, generator=g) < 0.5, torch.tensor(-0.0), torch.tensor(0.0))
+        elif kind == 5:
+            row = torch.full((n,), math.nan)
+        elif kind == 6:
+            row = torch.arange(n, dtype=torch.float32)
+        else:
+            row = torch.full((n,), -math.inf)
+            row[int(torch.randint(0, n, (1,), generator=g))] = 3.0
+        out.append(row)
+    return torch.stack(out)
+
+
+def tiny_ks(n):
+    return sorted({k for k in (0, 1, 2, 8, 32, 64, n - 1, n) if 0 <= k <= n})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + LOW_DTYPES)
+@pytest.mark.parametrize("n", TINY_N)
+def test_tiny_rows_match_cpu(n, dtype):
+    """Every k (sorted in the kernel up to 64, through at::sort above), both orders, with and
+    without ragged lengths (0, 1, k, n and out-of-range values, clamped on the device)."""
+    rows = 37  # not a multiple of the kernel's rows per CTA
+    x = tiny_rows(rows, n, seed=100 + n).to(dtype)
+    lengths = torch.randint(-2, n + 3, (rows,), generator=gen(n))
+    lengths[:6] = torch.tensor([0, 1, n, n + 5, -1, n // 2])
+    for k in tiny_ks(n):
+        for largest in (True, False):
+            check(x, k, largest=largest)
+            check(x, k, largest=largest, lengths=lengths)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_rows_unsorted_order(dtype):
+    """sorted=False on tiny rows: the selected indices in ascending index order, the same on
+    every call."""
+    x = tiny_rows(64, 256, seed=21).to(dtype).cuda()
+    lengths = torch.randint(0, 257, (64,), generator=gen(22)).cuda()
+    for k in (2, 8, 100):
+        v0, i0 = fastlapsum.topk(x, k, sorted=False, lengths=lengths)
+        valid = i0 >= 0
+        assert bool((i0[:, 1:] > i0[:, :-1])[valid[:, 1:]].all()), "unsorted tiny-row output not in index order"
+        v1, i1 = fastlapsum.topk(x, k, sorted=False, lengths=lengths)
+        assert torch.equal(i0, i1)
+        torch.testing.assert_close(v0, v1, rtol=0, atol=0, equal_nan=True)
+
+
+def test_tiny_rows_pitch_and_alignment():
+    """Rows read in place with any pitch: unaligned starts, widths not a multiple of the
+    vector, a single row."""
+    base = torch.randn(37, 263, generator=gen(23)).cuda()  # views of it keep the pitch on the device
+    for view in (base[:, :256], base[:, 1:257], base[:, 3:36], base[:, :255], base[:1, 5:261]):
+        assert view.stride(0) == 263
+        for k in (1, 8, 32):
+            check(view, k)
+            check(view, k, largest=False)
+    half = base.half()
+    for view in (half[:, 1:257], half[:, 2:202], half[:, 8:256]):
+        check(view, 8)
+    mask_in = base[:, 1:257]  # hard_mask reads rows in place too
+    kk = torch.full((37,), 8.0, dtype=torch.float64)
+    t = torch.ones(37, dtype=torch.float64)
+    pg = torch.ops.fastlapsum.soft_topk_forward(mask_in, kk.cuda(), t.cuda(), True, 0, 2)[0]
+    pc = torch.ops.fastlapsum.soft_topk_forward(mask_in.cpu(), kk, t, True, 0, 2)[0]
+    torch.testing.assert_close(pg.cpu(), pc, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("shape,k", [((8192, 256), 8), ((4096, 64), 2), ((2048, 1024), 32), ((512, 2048), 64),
+                                     ((8192, 8), 2), ((4096, 32), 4)])
+def test_tiny_rows_router_shapes(shape, k):
+    """MoE router shapes against the CPU op, and the values against torch.topk's."""
+    x = torch.randn(*shape, generator=gen(24))
+    check(x, k)
+    v, _ = fastlapsum.topk(x.cuda(), k, sorted=True)
+    torch.testing.assert_close(v, torch.topk(x.cuda(), k).values, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + LOW_DTYPES)
+@pytest.mark.parametrize("n", [1, 16, 33, 256, 257, 2048])
+def test_tiny_rows_hard_mask(n, dtype):
+    """The straight-through mask on tiny rows: integral k in [0, n] -> exactly those ones; k
+    not an integer in [0, n] -> a NaN row (through the op: the Python layer rejects it)."""
+    rows = 24
+    x = tiny_rows(rows, n, seed=200 + n).to(dtype)
+    k = torch.randint(0, n + 1, (rows,), generator=gen(n)).double()
+    k[:6] = torch.tensor([0.0, float(n), 2.5, -1.0, n + 1.0, min(8, n)])
+    t = torch.ones(rows, dtype=torch.float64)
+    for largest in (True, False):
+        pc = torch.ops.fastlapsum.soft_topk_forward(x, k, t, largest, 0, 2)[0]
+        pg = torch.ops.fastlapsum.soft_topk_forward(x.cuda(), k.cuda(), t.cuda(), largest, 0, 2)[0]
+        torch.testing.assert_close(pg.cpu(), pc, rtol=0, atol=0, equal_nan=True)
+        assert bool(pc[2:5].isnan().all())
+
+
+def test_tiny_rows_cuda_graph():
+    """One launch, no host sync: a captured tiny-row call follows new lengths and scores."""
+    rows, n, k = 100, 256, 8
+    x = torch.randn(rows, n, generator=gen(25)).cuda()
+    lengths = torch.full((rows,), n, dtype=torch.int64, device="cuda")
+    graph, out = capture_graph(lambda: fastlapsum.topk(x, k, sorted=True, lengths=lengths))
+    for seed in (26, 27):
+        g = gen(seed)
+        lengths.copy_(torch.randint(0, n + 1, (rows,), generator=g))
+        x.copy_(torch.randn(rows, n, generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        vc, ic = fastlapsum.topk(x.cpu(), k, sorted=True, lengths=lengths.cpu())
+        assert torch.equal(out[1].cpu(), ic) and torch.equal(out[0].cpu(), vc)

@@ -13,11 +13,12 @@ namespace {
 
 struct Params {
   const void* x;
-  int64_t pitch, n, K;
+  int64_t rows, pitch, n, K;
   const int64_t* lengths;  // topk: valid prefix per row (may be null)
   const double* kvec;      // mask: budget per row
   uint32_t flip;           // 0 (largest) or ~0 (smallest)
   int cap;                 // per-row kernel: smem candidate capacity
+  int warp_sort;           // warp-row kernel: sorted output in the kernel (out_comp null)
   void* out_val;           // [rows, K]
   int64_t* out_idx;        // [rows, K]
   int64_t* out_comp;       // [rows, K] or null

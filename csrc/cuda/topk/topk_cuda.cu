@@ -18,9 +18,15 @@
 // Paths (chosen on the host from static shapes only; everything data-dependent is
 // decided on the device, so no host sync, fixed launch sequence, graph-capturable):
 //
+// 0. Tiny rows, n <= 2048 (use_warp_rows; MoE routers): the warp-row kernel
+//    (warp_select_kernel, warp_select.cuh), one warp a row, four rows a CTA, the row's keys
+//    in registers, a bisection for the take-th key by warp reductions, the output in index
+//    order by warp scans; sorted=True with K <= 64 is sorted in the same kernel (one launch).
+//    Rows of n <= 32: a thread a row (thread_select_kernel, ranks by pairwise compares,
+//    output sorted). hard_mask too.
 // 1. Per-row kernel (row_select_kernel, one 512-thread CTA per row, two an SM; for 16-bit
-//    scores with 2.5*K <= 5632, 256 threads, four an SM), used unless the grid path below is
-//    chosen. Per row: L = valid length (lengths read on the device,
+//    scores with 2.5*K <= 5632, 256 threads, four an SM), used unless path 0 or the grid path
+//    below is chosen. Per row: L = valid length (lengths read on the device,
 //    clamped to [0, n]), take = min(K, L).
 //    - take == 0 or take == L: write all valid indices directly (+ -1 padding).
 //    - L <= cap (cap = smem candidate capacity): load the whole row into shared memory
@@ -58,18 +64,18 @@
 //    selected SET is deterministic, but the unsorted output ORDER of this path is not
 //    (tiles reserve output ranges with a global atomic); sorted=True is deterministic
 //    everywhere.
-// sorted=True: the kernels also write the composite (as an order-preserving int64), and
-// the K outputs of each row are then permuted by one at::sort of it (descending: best
-// first, ties by smaller index, padding last).
+// sorted=True (but path 0 with K <= 64): the kernels also write the composite (as an
+// order-preserving int64), and the K outputs of each row are then permuted by one at::sort
+// of it (descending: best first, ties by smaller index, padding last).
 // fp64 scores: a simple exact path composed of ATen ops (stable sort of int64 keys).
 // Row pitch: any x with stride(1) == 1 is used in place (16-byte vector loads when a
 // row's start is 16-byte aligned, scalar loads otherwise).
 // hard_mask_cuda: the same selectors with a per-row take = k_r (a whole NaN row where
 // k_r is not an integer in [0, n]), the output pass writing the 0/1 mask of the row.
 //
-// Files, all compiled in this translation unit: row_select.cuh (path 1), grid_select.cuh
-// (path 2), radix_select.cuh, row_pass.cuh and params.cuh (shared by both), tuning.cuh (the
-// measured constants). This file: the host's dispatch and the fp64 path.
+// Files, all compiled in this translation unit: warp_select.cuh (path 0), row_select.cuh
+// (path 1), grid_select.cuh (path 2), radix_select.cuh, row_pass.cuh and params.cuh (shared),
+// tuning.cuh (the measured constants). This file: the host's dispatch and the fp64 path.
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
@@ -91,6 +97,7 @@
 #include "params.cuh"
 #include "row_select.cuh"
 #include "grid_select.cuh"
+#include "warp_select.cuh"
 
 namespace fastlapsum {
 namespace {
@@ -128,6 +135,41 @@ bool use_grid_path(int64_t rows, int64_t n, int64_t K) {
   return grid_us < row_us;
 }
 
+// Tiny rows (MoE routers): the warp-row kernel, whatever the row count and budget (a CTA of
+// 256-512 threads on a row of at most 2048 scores idles most of them, and its select's
+// barriers and 2048-bin histograms cost more than a warp's register search).
+bool use_warp_rows(int64_t /*rows*/, int64_t n, int64_t /*K*/) { return n <= TopkTuning::kWarpMaxN; }
+
+// The warp-row kernel, instantiated for kC = 1, 2, 4, ... chunks of 32 vectors a lane: the
+// smallest that covers the row; rows of at most 32 scores a thread each.
+template <typename T, bool kMask>
+void launch_warp_rows(Params P, int64_t rows) {
+  constexpr int V = 16 / sizeof(T), kMaxC = TopkTuning::kWarpMaxItems / V, kRows = TopkTuning::kWarpRows;
+  const int64_t chunks = (P.n + 32 * V - 1) / (32 * V);
+  TORCH_CHECK(chunks <= kMaxC && (rows + kRows - 1) / kRows <= 2147483647LL,
+              "fastlapsum.topk: shape out of range of the warp-row kernel");
+  P.rows = rows;
+  if (P.n <= TopkTuning::kThreadMaxN) {  // a thread a row
+    constexpr int kT = TopkTuning::kThreadRowsPerCta;
+    const auto go = [&](auto kernel) {
+      launch_dependent(kernel, static_cast<unsigned>((rows + kT - 1) / kT), kT, 0, current_stream(), P);
+    };
+    if (P.n <= 8) return go(thread_select_kernel<T, kMask, 8>);
+    if (P.n <= 16) return go(thread_select_kernel<T, kMask, 16>);
+    return go(thread_select_kernel<T, kMask, TopkTuning::kThreadMaxN>);
+  }
+  const auto go = [&](auto kernel) {
+    launch_dependent(kernel, static_cast<unsigned>((rows + kRows - 1) / kRows), kRows * 32, 0, current_stream(), P);
+  };
+  if (chunks <= 1) return go(warp_select_kernel<T, kMask, 1>);
+  if (chunks <= 2) return go(warp_select_kernel<T, kMask, 2>);
+  if (chunks <= 4) return go(warp_select_kernel<T, kMask, 4>);
+  if constexpr (kMaxC > 8) {
+    if (chunks <= 8) return go(warp_select_kernel<T, kMask, 8>);
+  }
+  go(warp_select_kernel<T, kMask, kMaxC>);
+}
+
 // Scores as a [rows, n] view with unit inner stride (row pitch kept).
 at::Tensor rows_view(const at::Tensor& x) {
   if (x.size(1) <= 1 || x.stride(1) == 1) {
@@ -140,6 +182,7 @@ template <typename T, bool kMask>
 void launch(Params P, int64_t rows, const at::Tensor& x) {
   const cudaStream_t stream = current_stream();
   if (rows == 0) return;
+  if (use_warp_rows(rows, P.n, P.K)) return launch_warp_rows<T, kMask>(P, rows);
   if (use_grid_path<T, kMask>(rows, P.n, P.K)) {
     const int sms = sm_count();  // x's device: the caller holds its guard
     const int stage_bytes = kStageItems * 8;
@@ -265,7 +308,9 @@ std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k, 
   at::Tensor values = at::empty({rows, k}, x.options());
   at::Tensor indices = at::empty({rows, k}, x.options().dtype(at::kLong));
   if (rows == 0 || k == 0) return {values, indices};
-  const bool want_comp = sorted && k > 1;
+  // Tiny rows with a small budget sort in the kernel: one launch.
+  const bool sort_in_kernel = sorted && k > 1 && use_warp_rows(rows, n, k) && k <= TopkTuning::kWarpSortMaxK;
+  const bool want_comp = sorted && k > 1 && !sort_in_kernel;
   at::Tensor comp = want_comp ? at::empty({rows, k}, x.options().dtype(at::kLong)) : at::Tensor();
   Params P{};
   P.pitch = rows > 1 ? x.stride(0) : n;
@@ -275,6 +320,7 @@ std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k, 
   P.flip = largest ? 0u : 0xFFFFFFFFu;
   P.out_idx = indices.mutable_data_ptr<int64_t>();
   P.out_comp = want_comp ? comp.mutable_data_ptr<int64_t>() : nullptr;
+  P.warp_sort = sort_in_kernel ? 1 : 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fastlapsum_topk_cuda", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {
       P.x = x.const_data_ptr<scalar_t>();

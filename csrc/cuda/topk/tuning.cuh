@@ -41,6 +41,17 @@ struct TopkTuningSm90 {
   // The grid path's candidate buffer per row: the budget + 1/8 (mask: n/4) + kGridCapSlack,
   // at most kGridCapTotal entries over all rows.
   static constexpr int64_t kGridCapSlack = 65536, kGridCapTotal = int64_t(1) << 27;
+  // Tiny rows (warp_select.cuh): rows of n <= kWarpMaxN scores take the warp-row kernel, one
+  // warp a row, kWarpRows rows a CTA, the row in registers (at most kWarpMaxItems keys a lane:
+  // kWarpMaxN / 32 for every dtype). sorted=True sorts in the kernel for K <= kWarpSortMaxK
+  // (a bitonic network over the warp, 1 or 2 composites a lane), above through at::sort.
+  static constexpr int64_t kWarpMaxN = 2048;
+  // Rows of 32+ keys a lane bisect over the keys above the bracket's lower end where they
+  // fit kWarpCandPerLane a lane (~4-6 on random rows for take <= 64).
+  static constexpr int kWarpRows = 4, kWarpMaxItems = 64, kWarpSortMaxK = 64, kWarpCandPerLane = 8;
+  // Rows of n <= kThreadMaxN: a thread a row (ranks by pairwise compares), kThreadRowsPerCta
+  // rows a CTA.
+  static constexpr int kThreadMaxN = 32, kThreadRowsPerCta = 128;
 };
 using TopkTuning = TopkTuningSm90;
 
