@@ -13,7 +13,8 @@
 // closed form from the owner's coefficients. Scores outside the sorted ones (a middle
 // set's tails) enter as the scans' starting values. Deterministic: fixed arrangement,
 // fixed scan trees, and only integer max/and/or/sum reductions (the bucket pass's atomics
-// order equal keys only, which are the same score).
+// order equal keys only, which are the same score). The scan's pieces (fold_maps,
+// run_passes, gap_in_run) also serve the warp-per-row solver of warp_rows.cuh.
 #pragma once
 
 #include <cstdint>
