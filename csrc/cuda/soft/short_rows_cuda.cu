@@ -3,9 +3,9 @@
 // write for the mask). Tiny rows (use_warp_rows) run a warp per row, the row in registers
 // (warp_rows.cuh); the others a CTA per row (sorted_solve.cuh).
 //
-// In the CTA kernel, one census of the row (non-finite counts, which key bits vary, the keys' range) settles the
-// rows without an interior root, sizes the bucket pass and bounds the radix sort to the
-// varying bits.
+// In the CTA kernel, one census of the row (non-finite counts, which key bits vary, the
+// keys' range) settles the rows without an interior root, sizes the bucket pass and bounds
+// the radix sort to the varying bits. The warp kernel needs only the non-finite counts.
 #include <ATen/Dispatch.h>
 
 #include <cstdint>

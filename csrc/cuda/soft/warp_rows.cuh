@@ -56,7 +56,8 @@ __device__ __forceinline__ void warp_sort_descending(Key (&keys)[kItems]) {
 // each run (A'_{j0 - 1} from below, R past it from above); the last lane whose test before
 // its run fails owns the root's gap, and its run is walked a lane each (gap_in_run).
 template <typename Key, typename SK, int kItems>
-__device__ __forceinline__ double solve_sorted_warp(const Key (&keys)[kItems], int first, int end, double kf, double t) {
+__device__ __forceinline__ double solve_sorted_warp(const Key (&keys)[kItems], int first, int end, double kf,
+                                                    double t) {
   const int lane = threadIdx.x & 31, j0 = lane * kItems;
   const GapExp e(t);
   // s_{j0 - 1}; lane 0's is never used (position 0 is never inside (first, end)).
