@@ -1,6 +1,6 @@
 """Short rows (n <= a few thousand): the on-chip sort solver, a warp per row up to the tuned
-warp maximum (csrc/cuda/soft/tuning.cuh: 1024 scores, 512 for float64) and a CTA per row
-above it. Each case is checked against the float64 oracle (budget, mask, log mask) on every
+warp maximum (csrc/cuda/soft/tuning.cuh: 1024 scores, 512 for float64; rows of n <= 8 or 16
+share a warp four or two ways) and a CTA per row above it. Each case is checked against the float64 oracle (budget, mask, log mask) on every
 device, and on CUDA also against the CPU kernels (threshold, mask, diagnostics). The rows
 mix the adversarial kinds with per-row k and temperature."""
 import itertools
@@ -20,7 +20,7 @@ EPS64 = torch.finfo(F64).eps
 # The warp regime's largest rows (SoftTuning in csrc/cuda/soft/tuning.cuh) and one past them.
 WARP_ROW_MAX = {torch.float64: 512}
 WARP_ROW_MAX_DEFAULT = 1024
-NS = [1, 2, 3, 31, 32, 33, 64, 100, 255, 256, 257, 512, 513, 1000, 1024, 1025]
+NS = [1, 2, 3, 8, 9, 16, 17, 31, 32, 33, 64, 100, 255, 256, 257, 512, 513, 1000, 1024, 1025]
 TEMPS = [1e-6, 1e-2, 1.0, 1e3]
 KINDS = 9
 NAN_KIND = 8
@@ -189,7 +189,7 @@ def test_short_rows_match_cpu(n, dtype, largest):
 
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("n", [8, 64, 256, 1024])
+@pytest.mark.parametrize("n", [5, 8, 16, 64, 256, 1024])
 def test_many_short_rows_match_cpu(n, dtype):
     """A router-sized batch (many CTAs of the warp kernel, rows no multiple of a CTA's):
     every row sorted (PATH_SORT over all n), masks and budgets as on the CPU."""

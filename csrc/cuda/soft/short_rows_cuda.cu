@@ -109,11 +109,13 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
   write_mask<scalar_t, kItems, kShortThreads>(row, p_out + r * n, n, sign, b, t, edge, log_mode, tid);
 }
 
-// One row per warp, kWarpRowsPerCta rows per CTA, n <= 32 * kItems: striped loads
-// (coalesced), the keys padded with 0 (below every score's key, so the padding sorts last),
-// the sort and solve of warp_rows.cuh, the mask re-reading the row. A warp past the last row
-// leaves at once (whole warps only: the shuffles below need all 32 lanes).
-template <typename scalar_t, int kItems>
+// One row per group of kLanes lanes (a warp, or 8 / 16 lanes for rows of at most that many
+// scores), kWarpRowsPerCta warps per CTA, n <= kLanes * kItems: striped loads (coalesced),
+// the keys padded with 0 (below every score's key, so the padding sorts last), the sort and
+// solve of warp_rows.cuh, the mask re-reading the row. A group past the last row leaves at
+// once (whole groups only: the shuffles below need all of the group's lanes; the groups of
+// a warp shuffle under their own masks, so they may part ways).
+template <typename scalar_t, int kItems, int kLanes>
 __global__ void __launch_bounds__(SoftTuning::kWarpRowsPerCta * 32,
                                   SoftTuning::warp_min_blocks(kItems, sizeof(typename SortKey<scalar_t>::Key)))
 warp_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, const double* __restrict__ t_in,
@@ -122,8 +124,10 @@ warp_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in
   begin_dependent_grid();
   using SK = SortKey<scalar_t>;
   using Key = typename SK::Key;
-  const int lane = threadIdx.x & 31;
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * SoftTuning::kWarpRowsPerCta + (threadIdx.x >> 5);
+  using G = LaneGroup<kLanes>;
+  constexpr int kRowsPerCta = SoftTuning::kWarpRowsPerCta * (32 / kLanes);
+  const int lane = G::lane();
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x / kLanes;
   if (r >= rows) return;
   const scalar_t* row = x + r * n;
   const double k = k_in[r], t = t_in[r];
@@ -132,7 +136,7 @@ warp_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in
   NonFiniteCount count;
 #pragma unroll
   for (int q = 0; q < kItems; ++q) {
-    const int64_t i = q * 32 + lane;
+    const int64_t i = q * kLanes + lane;
     keys[q] = 0;
     if (i < n) {
       const double s = sign * static_cast<double>(row[i]);
@@ -140,16 +144,16 @@ warp_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in
       count.add(s);
     }
   }
-  const int nan = warp_sum(count.nan), pinf = warp_sum(count.pinf), ninf = warp_sum(count.ninf);
+  const int nan = G::sum(count.nan), pinf = G::sum(count.pinf), ninf = G::sum(count.ninf);
   double b, edge, kf;
   const bool settled = settle_row(k, t, static_cast<double>(n), nan, pinf, ninf, &b, &edge, &kf);
-  if (!settled) {  // uniform across the warp
-    warp_sort_descending<Key, kItems>(keys);  // positions [0, n) hold the row, padding after
-    b = solve_sorted_warp<Key, SK, kItems>(keys, pinf, static_cast<int>(n) - ninf, kf, t);
+  if (!settled) {  // uniform across the group
+    warp_sort_descending<Key, kItems, kLanes>(keys);  // positions [0, n) hold the row, padding after
+    b = solve_sorted_warp<Key, SK, kItems, kLanes>(keys, pinf, static_cast<int>(n) - ninf, kf, t);
   }
   if (lane == 0) write_row_result(b_out, edge_out, diag, r, n, sign, b, edge, settled, pinf + ninf);
   if (p_out == nullptr) return;
-  write_mask<scalar_t, kItems, 32>(row, p_out + r * n, n, sign, b, t, edge, log_mode, lane);
+  write_mask<scalar_t, kItems, kLanes>(row, p_out + r * n, n, sign, b, t, edge, log_mode, lane);
 }
 
 // The regime of a batch of short rows: a warp per row where the row fits a warp's registers
@@ -160,14 +164,17 @@ bool use_warp_rows(int64_t rows, int64_t n, at::ScalarType dtype) {
   return rows > 0 && n <= SoftTuning::warp_row_max(dtype == at::kDouble);
 }
 
-// The warp kernel with the fewest keys a lane that hold the row (a power of two: the bitonic
-// network); only those up to the dtype's warp_row_max are built.
-template <typename scalar_t, int kItems, typename Launch>
+// The warp kernel with the fewest lanes, then the fewest keys a lane, that hold the row (a
+// power of two: the bitonic network): rows of n <= 8 or 16 share a warp (from
+// kMinLanesPerRow lanes a row); only kernels up to the dtype's warp_row_max are built.
+template <typename scalar_t, int kItems, int kLanes, typename Launch>
 void launch_warp_rows(int64_t n, const Launch& launch) {
-  if constexpr (kItems < 32 && 32 * kItems < SoftTuning::warp_row_max(std::is_same<scalar_t, double>::value)) {
-    if (n > 32 * kItems) return launch_warp_rows<scalar_t, 2 * kItems>(n, launch);
+  if constexpr (kLanes < 32) {
+    if (n > kLanes) return launch_warp_rows<scalar_t, kItems, 2 * kLanes>(n, launch);
+  } else if constexpr (kItems < 32 && 32 * kItems < SoftTuning::warp_row_max(std::is_same<scalar_t, double>::value)) {
+    if (n > 32 * kItems) return launch_warp_rows<scalar_t, 2 * kItems, kLanes>(n, launch);
   }
-  launch(warp_rows_kernel<scalar_t, kItems>);
+  launch(warp_rows_kernel<scalar_t, kItems, kLanes>, 32 / kLanes);
 }
 
 }  // namespace
@@ -189,14 +196,15 @@ void solve_short_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::T
           log_mode, n, sign);
     };
     if (use_warp_rows(rows, n, x.scalar_type())) {
-      const auto warp_launch = [&](auto kernel) {
-        constexpr int per_cta = SoftTuning::kWarpRowsPerCta;
-        launch_dependent(kernel, static_cast<unsigned>((rows + per_cta - 1) / per_cta), per_cta * 32, 0, stream,
+      const auto warp_launch = [&](auto kernel, int rows_per_warp) {
+        const int64_t per_cta = SoftTuning::kWarpRowsPerCta * rows_per_warp;
+        launch_dependent(kernel, static_cast<unsigned>((rows + per_cta - 1) / per_cta), SoftTuning::kWarpRowsPerCta * 32,
+            0, stream,
             x.const_data_ptr<scalar_t>(), k.const_data_ptr<double>(), t.const_data_ptr<double>(),
             b.mutable_data_ptr<double>(), edge.mutable_data_ptr<double>(), diag.mutable_data_ptr<int64_t>(), pp,
             log_mode, rows, n, sign);
       };
-      launch_warp_rows<scalar_t, 1>(n, warp_launch);
+      launch_warp_rows<scalar_t, 1, SoftTuning::kMinLanesPerRow>(n, warp_launch);
       return;
     }
     // The fewest items per thread that hold the row: padding costs every sort pass.

@@ -398,38 +398,40 @@ __device__ __forceinline__ bool run_passes(int j0, int first, int end, double ab
   return psi_sorted(above_count + static_cast<double>(j0 - 1 - first), x, 1.0 + fma(fa, y, rc)) >= kf;
 }
 
-// The root's gap inside the run of `count` <= 32 positions o0 + lane that owns it (the last
-// run whose test before it fails), walked a lane each: lane q holds the key at o0 + q (lanes
-// >= count: ignored), x = A'_{o0 - 1}, y = R_{o0 + count}, v_before = s_{o0 - 1} (each the
-// same in every lane). Every lane computes its candidate (*gap, *C); returns the lane whose
-// candidate holds (the same in every lane). The whole warp calls.
-template <typename Key, typename SK>
+// The root's gap inside the run of `count` <= kLanes positions o0 + lane that owns it (the
+// last run whose test before it fails), walked a lane each: lane q of the group holds the
+// key at o0 + q (lanes >= count: ignored), x = A'_{o0 - 1}, y = R_{o0 + count}, v_before =
+// s_{o0 - 1} (each the same in every lane). Every lane computes its candidate (*gap, *C);
+// returns the group lane whose candidate holds (the same in every lane). The whole group
+// calls.
+template <typename Key, typename SK, int kLanes = 32>
 __device__ __forceinline__ int gap_in_run(Key key, int o0, int count, double x, double y, double v_before, int first,
                                           int end, double kf, const SortedTails& tails, const GapExp& e, Gap* gap,
                                           double* C) {
-  const int lane = threadIdx.x & 31, j = o0 + lane;
+  using G = LaneGroup<kLanes>;
+  const int lane = G::lane(), j = o0 + lane;
   const bool mine = lane < count;
   // Lane q's map, then the affine scans of the lanes' maps upward (A'_j) and downward (R_j).
   const double vq = mine ? SK::value(key) : 0.0;
-  double vp = __shfl_up_sync(kFullMask, vq, 1);
+  double vp = G::up(vq, 1);
   if (lane == 0) vp = v_before;
   const bool in = mine && j > first && j < end;
   const double f = in ? e(vq - vp) : 1.0;
   double ua = f, uc = in ? f : 0.0, da = ua, dc = uc;
-  warp_scan_maps(ua, uc, da, dc);
-  const double a_j = fma(ua, x, uc);                       // A'_j
-  double a_prev = __shfl_up_sync(kFullMask, a_j, 1);       // A'_{j-1}
+  warp_scan_maps<kLanes>(ua, uc, da, dc);
+  const double a_j = fma(ua, x, uc);          // A'_j
+  double a_prev = G::up(a_j, 1);              // A'_{j-1}
   if (lane == 0) a_prev = x;
-  const double r_j = fma(da, y, dc);                       // R_j (lanes past count: identity)
-  double q_j = 1.0 + __shfl_down_sync(kFullMask, r_j, 1);  // Q_j = 1 + R_{j+1}
-  if (lane == 31) q_j = 1.0 + y;
+  const double r_j = fma(da, y, dc);          // R_j (lanes past count: identity)
+  double q_j = 1.0 + G::down(r_j, 1);         // Q_j = 1 + R_{j+1}
+  if (lane == kLanes - 1) q_j = 1.0 + y;
   const auto C_at = [&](int i) { return tails.above_count + static_cast<double>(i - first); };
   const bool valid = mine && j >= first && j < end;
   // The next run's test passed at this run's last position, so it is the candidate when
   // rounding fails it here; the run that holds end - 1 stands for j = end.
   const bool last = lane == count - 1 && o0 + count < end;
-  const unsigned hit = __ballot_sync(kFullMask, valid && (psi_sorted(C_at(j), a_j, q_j) >= kf || last));
-  const unsigned ends_here = __ballot_sync(kFullMask, valid && j == end - 1);
+  const unsigned hit = G::ballot(valid && (psi_sorted(C_at(j), a_j, q_j) >= kf || last));
+  const unsigned ends_here = G::ballot(valid && j == end - 1);
   if (hit == 0u) {  // below every finite score: j = end
     *C = C_at(end);
     *gap = tails.below_sum > 0.0 ? Gap{1.0 + a_j, tails.below_sum, vq, tails.below_ref}
