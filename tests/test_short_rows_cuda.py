@@ -21,6 +21,7 @@ EPS64 = torch.finfo(F64).eps
 WARP_ROW_MAX = {torch.float64: 512}
 WARP_ROW_MAX_DEFAULT = 1024
 NS = [1, 2, 3, 8, 9, 16, 17, 31, 32, 33, 64, 100, 255, 256, 257, 512, 513, 1000, 1024, 1025]
+CPU_NS = [1, 9, 33, 257, 1025]  # the sweep on the CPU kernels (the oracle costs most of it)
 TEMPS = [1e-6, 1e-2, 1.0, 1e3]
 KINDS = 9
 NAN_KIND = 8
@@ -147,6 +148,8 @@ def check_against_oracle(x, k, t, kinds, largest):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", NS)
 def test_short_rows_match_oracle(device, n, dtype, largest):
+    if device == "cpu" and n not in CPU_NS:
+        pytest.skip("the CPU kernels' short rows are swept in test_soft_topk.py; a few n here")
     x64, k, t, kinds = batch(n)
     x = x64.to(dtype).to(device)
     fails = check_against_oracle(x, k, t, kinds, largest)
