@@ -72,6 +72,7 @@ __device__ __forceinline__ uint64_t warp_min(uint64_t x) {
 __device__ __forceinline__ uint64_t warp_max(uint64_t x) {
   return warp_fold(x, [](uint64_t a, uint64_t b) { return a > b ? a : b; });
 }
+
 // A group of kLanes consecutive lanes (8, 16 or the whole warp) that works as one: the
 // group-relative lane, and ballots, shuffles and reductions within the group (the group's
 // mask: groups of one warp may take different paths). Ballots come back group-relative.
