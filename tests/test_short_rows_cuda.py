@@ -156,6 +156,28 @@ def test_short_rows_match_oracle(device, n, dtype, largest):
     assert not fails, "\n".join(fails[:20])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [8, 33, 256, 1025])
+def test_budget_at_the_infinities(device, n, dtype):
+    """k at and just past the boundaries the infinities set: k = #(+inf) (b = +inf, each +inf
+    score gets 1), a hair more (a finite root just below the +inf scores), k = n - #(-inf)
+    (b = -inf) and a hair less, with 3 +inf and 2 -inf scores; and rows all +inf / all -inf."""
+    g = torch.Generator().manual_seed(n)
+    base = torch.randn(n, generator=g, dtype=F64)
+    base[[0, n // 2, n - 1]] = math.inf
+    base[[1, n // 3 + 1]] = -math.inf
+    ks = [3.0, 3.0 + 1e-9, 3.5, n - 2.0, n - 2.0 - 1e-9, n - 2.5, 2.0, n - 1.0]
+    rows = [base] * len(ks) + [torch.full((n,), math.inf, dtype=F64), torch.full((n,), -math.inf, dtype=F64)]
+    ks += [n / 2, n / 3]
+    x = torch.stack(rows).to(dtype).to(device)
+    k = torch.tensor(ks, dtype=F64)
+    for t in (1e-6, 1.0):
+        tt = torch.full_like(k, t)
+        for largest in (True, False):
+            fails = check_against_oracle(x, k, tt, torch.zeros(len(ks), dtype=torch.long), largest)
+            assert not fails, "\n".join(fails[:20])
+
+
 # |p_cuda - p_cpu|: both hold b in fp64; the mask is rounded to x's dtype once
 P_TOL = {torch.float64: 1e-11, torch.float32: 3e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
