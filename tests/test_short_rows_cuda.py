@@ -200,12 +200,17 @@ def test_short_rows_match_cpu(n, dtype, largest):
     bc = fl.lapsum_threshold(xc, k, t, largest=largest)
     bg = fl.lapsum_threshold(xg, kg, tg, largest=largest).cpu()
     assert same_or_close(bg, bc, 1e-9, 1e-9 * t), (bg - bc).abs().max()
+    # where |b| >> t, the thresholds' last bits (the two solvers round differently) move the
+    # mask by up to a density (1/2) times a few ulps of b over t
+    fin = torch.isfinite(bc)
+    ulp_b = torch.where(fin, (torch.nextafter(bc, torch.full_like(bc, math.inf)) - bc).abs(), torch.zeros_like(bc))
+    atol = (P_TOL[dtype] + 2 * ulp_b.nan_to_num(0.0) / t)[:, None]
     pc = fl.soft_topk(xc, k, t, largest=largest).double()
     pg = fl.soft_topk(xg, kg, tg, largest=largest).cpu().double()
-    assert same_or_close(pg, pc, 0.0, P_TOL[dtype]), (pg - pc).abs().nan_to_num(0.0).max()
+    assert same_or_close(pg, pc, 0.0, atol), (pg - pc).abs().nan_to_num(0.0).max()
     lc = fl.log_soft_topk(xc, k, t, largest=largest).double()
     lg = fl.log_soft_topk(xg, kg, tg, largest=largest).cpu().double()
-    assert same_or_close(lg.exp(), lc.exp(), 10 * P_TOL[dtype], P_TOL[dtype])
+    assert same_or_close(lg.exp(), lc.exp(), 10 * P_TOL[dtype], atol)
     dc = fl.lapsum_diagnostics(xc, k, t, largest=largest)
     dg = fl.lapsum_diagnostics(xg, kg, tg, largest=largest)
     for name in ("path", "middle_size", "attempts"):
