@@ -1,34 +1,38 @@
-// Short rows on chip: one CTA per row runs the whole sort solver of DESIGN §1.1
-// (sorted_solve.cuh) and, for the forward op, writes the mask in the same kernel (one read
-// of the row to solve, one re-read from L2 and one write for the mask).
+// Short rows on chip: the whole sort solver of DESIGN §1.1 and, for the forward op, the
+// mask in the same kernel (one read of the row to solve, one re-read from L1/L2 and one
+// write for the mask). Tiny rows (use_warp_rows) run a warp per row, the row in registers
+// (warp_rows.cuh); the others a CTA per row (sorted_solve.cuh).
 //
-// One census of the row (non-finite counts, which key bits vary, the keys' range) settles the
-// rows without an interior root, sizes the bucket pass and bounds the radix sort to the
-// varying bits.
+// In the CTA kernel, one census of the row (non-finite counts, which key bits vary, the
+// keys' range) settles the rows without an interior root, sizes the bucket pass and bounds
+// the radix sort to the varying bits. The warp kernel needs only the non-finite counts.
 #include <ATen/Dispatch.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../../common/cuda_launch.cuh"
 #include "../../common/gpu_rows.cuh"
 #include "sorted_solve.cuh"
 #include "threshold_cuda.h"
+#include "tuning.cuh"
+#include "warp_rows.cuh"
 
 namespace fastlapsum {
 namespace {
 
 constexpr int kShortThreads = kSortedThreads;
 
-// The row's mask (or log mask) from its threshold, re-reading the scores (from L2): all
-// loads first, then branch-free per-element math, so the loads and exponentials overlap.
-template <typename scalar_t, int kItems>
+// The row's mask (or log mask) from its threshold, re-reading the scores (from L1/L2), item
+// q of thread tid (of kStride) at q * kStride + tid: all loads first, then branch-free
+// per-element math, so the loads and exponentials overlap.
+template <typename scalar_t, int kItems, int kStride>
 __device__ __forceinline__ void write_mask(const scalar_t* __restrict__ row, scalar_t* __restrict__ prow, int64_t n,
-                                           double sign, double b, double t, double edge, bool log_mode) {
-  const int tid = threadIdx.x;
+                                           double sign, double b, double t, double edge, bool log_mode, int tid) {
   double s[kItems];
 #pragma unroll
   for (int q = 0; q < kItems; ++q) {
-    const int64_t i = q * kShortThreads + tid;
+    const int64_t i = q * kStride + tid;
     s[q] = i < n ? sign * static_cast<double>(row[i]) : 0.0;
   }
   const double inv_t = inv_temperature(t);
@@ -41,9 +45,19 @@ __device__ __forceinline__ void write_mask(const scalar_t* __restrict__ row, sca
   }
 #pragma unroll
   for (int q = 0; q < kItems; ++q) {
-    const int64_t i = q * kShortThreads + tid;
+    const int64_t i = q * kStride + tid;
     if (i < n) prow[i] = static_cast<scalar_t>(s[q]);
   }
+}
+
+// A row's threshold, edge and diagnostics (diag[3 r + 1]: the finite scores sorted).
+__device__ __forceinline__ void write_row_result(double* b_out, double* edge_out, int64_t* diag, int64_t r, int64_t n,
+                                                 double sign, double b, double edge, bool settled, int infinite) {
+  b_out[r] = sign * b;
+  edge_out[r] = edge;
+  diag[3 * r] = settled ? kPathDirect : kPathSort;
+  diag[3 * r + 1] = settled ? 0 : n - infinite;
+  diag[3 * r + 2] = 0;
 }
 
 template <typename scalar_t, int kItems>
@@ -69,7 +83,7 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
 
   // Striped loads (coalesced); only the keys stay (the mask re-reads the row from L2).
   Key keys[kItems];
-  int nan = 0, pinf = 0, ninf = 0;
+  NonFiniteCount count;
   KeyStats<Key> stats;
 #pragma unroll
   for (int q = 0; q < kItems; ++q) {
@@ -77,13 +91,11 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
     if (i < n) {
       const double s = sign * static_cast<double>(row[i]);
       keys[q] = SK::key(s);
-      nan += s != s;
-      pinf += s == INFINITY;
-      ninf += s == -INFINITY;
+      count.add(s);
       stats.add(keys[q]);
     }
   }
-  const Census<Key> c = take_census(census, nan, pinf, ninf, stats);
+  const Census<Key> c = take_census(census, count.nan, count.pinf, count.ninf, stats);
   double b, edge, kf;
   const bool settled = settle_row(k, t, static_cast<double>(n), c.nan, c.pinf, c.ninf, &b, &edge, &kf);
 
@@ -92,15 +104,77 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
     const int first = c.pinf, end = static_cast<int>(n) - c.ninf;  // finite positions [first, end)
     b = solve_sorted<Key, SK, kItems>(sm.solve, last_v, keys, first, end, kf, t, SortedTails{});
   }
-  if (tid == 0) {
-    b_out[r] = sign * b;
-    edge_out[r] = edge;
-    diag[3 * r] = settled ? kPathDirect : kPathSort;
-    diag[3 * r + 1] = settled ? 0 : n - c.pinf - c.ninf;
-    diag[3 * r + 2] = 0;
-  }
+  if (tid == 0) write_row_result(b_out, edge_out, diag, r, n, sign, b, edge, settled, c.pinf + c.ninf);
   if (p_out == nullptr) return;
-  write_mask<scalar_t, kItems>(row, p_out + r * n, n, sign, b, t, edge, log_mode);
+  write_mask<scalar_t, kItems, kShortThreads>(row, p_out + r * n, n, sign, b, t, edge, log_mode, tid);
+}
+
+// One row per group of kLanes lanes (a warp, or 8 / 16 lanes for rows of at most that many
+// scores), kWarpRowsPerCta warps per CTA, n <= kLanes * kItems: striped loads (coalesced),
+// the keys padded with 0 (below every score's key, so the padding sorts last), the sort and
+// solve of warp_rows.cuh, the mask re-reading the row. A group past the last row leaves at
+// once (whole groups only: the shuffles below need all of the group's lanes; the groups of
+// a warp shuffle under their own masks, so they may part ways).
+template <typename scalar_t, int kItems, int kLanes>
+__global__ void __launch_bounds__(SoftTuning::kWarpRowsPerCta * 32,
+                                  SoftTuning::warp_min_blocks(kItems, sizeof(typename SortKey<scalar_t>::Key)))
+warp_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, const double* __restrict__ t_in,
+                 double* __restrict__ b_out, double* __restrict__ edge_out, int64_t* __restrict__ diag,
+                 scalar_t* __restrict__ p_out, bool log_mode, int64_t rows, int64_t n, double sign) {
+  begin_dependent_grid();
+  using SK = SortKey<scalar_t>;
+  using Key = typename SK::Key;
+  using G = LaneGroup<kLanes>;
+  constexpr int kRowsPerCta = SoftTuning::kWarpRowsPerCta * (32 / kLanes);
+  const int lane = G::lane();
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x / kLanes;
+  if (r >= rows) return;
+  const scalar_t* row = x + r * n;
+  const double k = k_in[r], t = t_in[r];
+
+  Key keys[kItems];
+  NonFiniteCount count;
+#pragma unroll
+  for (int q = 0; q < kItems; ++q) {
+    const int64_t i = q * kLanes + lane;
+    keys[q] = 0;
+    if (i < n) {
+      const double s = sign * static_cast<double>(row[i]);
+      keys[q] = SK::key(s);
+      count.add(s);
+    }
+  }
+  const int nan = G::sum(count.nan), pinf = G::sum(count.pinf), ninf = G::sum(count.ninf);
+  double b, edge, kf;
+  const bool settled = settle_row(k, t, static_cast<double>(n), nan, pinf, ninf, &b, &edge, &kf);
+  if (!settled) {  // uniform across the group
+    warp_sort_descending<Key, kItems, kLanes>(keys);  // positions [0, n) hold the row, padding after
+    b = solve_sorted_warp<Key, SK, kItems, kLanes>(keys, pinf, static_cast<int>(n) - ninf, kf, t);
+  }
+  if (lane == 0) write_row_result(b_out, edge_out, diag, r, n, sign, b, edge, settled, pinf + ninf);
+  if (p_out == nullptr) return;
+  write_mask<scalar_t, kItems, kLanes>(row, p_out + r * n, n, sign, b, t, edge, log_mode, lane);
+}
+
+// The regime of a batch of short rows: a warp per row where the row fits a warp's registers
+// (SoftTuning), else a CTA per row.
+static_assert(SoftTuning::warp_row_max(false) <= 32 * 32 && SoftTuning::warp_row_max(true) <= 32 * 32,
+              "warp_rows walks a lane's keys a lane each: at most 32 keys a lane");
+bool use_warp_rows(int64_t rows, int64_t n, at::ScalarType dtype) {
+  return rows > 0 && n <= SoftTuning::warp_row_max(dtype == at::kDouble);
+}
+
+// The warp kernel with the fewest lanes, then the fewest keys a lane, that hold the row (a
+// power of two: the bitonic network): rows of n <= 8 or 16 share a warp (from
+// kMinLanesPerRow lanes a row); only kernels up to the dtype's warp_row_max are built.
+template <typename scalar_t, int kItems, int kLanes, typename Launch>
+void launch_warp_rows(int64_t n, const Launch& launch) {
+  if constexpr (kLanes < 32) {
+    if (n > kLanes) return launch_warp_rows<scalar_t, kItems, 2 * kLanes>(n, launch);
+  } else if constexpr (kItems < 32 && 32 * kItems < SoftTuning::warp_row_max(std::is_same<scalar_t, double>::value)) {
+    if (n > 32 * kItems) return launch_warp_rows<scalar_t, 2 * kItems, kLanes>(n, launch);
+  }
+  launch(warp_rows_kernel<scalar_t, kItems, kLanes>, 32 / kLanes);
 }
 
 }  // namespace
@@ -121,6 +195,18 @@ void solve_short_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::T
           b.mutable_data_ptr<double>(), edge.mutable_data_ptr<double>(), diag.mutable_data_ptr<int64_t>(), pp,
           log_mode, n, sign);
     };
+    if (use_warp_rows(rows, n, x.scalar_type())) {
+      const auto warp_launch = [&](auto kernel, int rows_per_warp) {
+        const int64_t per_cta = SoftTuning::kWarpRowsPerCta * rows_per_warp;
+        launch_dependent(kernel, static_cast<unsigned>((rows + per_cta - 1) / per_cta), SoftTuning::kWarpRowsPerCta * 32,
+            0, stream,
+            x.const_data_ptr<scalar_t>(), k.const_data_ptr<double>(), t.const_data_ptr<double>(),
+            b.mutable_data_ptr<double>(), edge.mutable_data_ptr<double>(), diag.mutable_data_ptr<int64_t>(), pp,
+            log_mode, rows, n, sign);
+      };
+      launch_warp_rows<scalar_t, 1, SoftTuning::kMinLanesPerRow>(n, warp_launch);
+      return;
+    }
     // The fewest items per thread that hold the row: padding costs every sort pass.
     if (n <= kShortThreads * 2) launch(short_rows_kernel<scalar_t, 2>);
     else if (n <= kShortThreads * 4) launch(short_rows_kernel<scalar_t, 4>);

@@ -13,7 +13,8 @@
 // closed form from the owner's coefficients. Scores outside the sorted ones (a middle
 // set's tails) enter as the scans' starting values. Deterministic: fixed arrangement,
 // fixed scan trees, and only integer max/and/or/sum reductions (the bucket pass's atomics
-// order equal keys only, which are the same score).
+// order equal keys only, which are the same score). The scan's pieces (fold_maps,
+// run_passes, gap_in_run) also serve the warp-per-row solver of warp_rows.cuh.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "../../common/lapsum_math.h"
+#include "warp_scan.cuh"
 
 namespace fastlapsum {
 
@@ -32,7 +34,6 @@ static_assert(kSortedThreads % 32 == 0 && kWarps <= 32, "block reductions read o
 // Radix digit width: 5 bits (cub's default is 4) sorts a middle set's ~20 varying bits in 4
 // passes instead of 5; 6 bits do not fit 48 KB of static shared memory at 512 threads.
 constexpr int kSortRadixBits = 5;
-constexpr unsigned kFullMask = 0xffffffffu;
 
 // The block sort of kItems keys per thread (sort_descending takes it).
 template <typename Key, int kItems>
@@ -80,69 +81,16 @@ struct SortKey<double> {
   }
 };
 
-// Warp-wide integer reductions (one REDUX on sm_80+; a butterfly before).
-template <typename T, typename Op>
-__device__ __forceinline__ T warp_fold(T x, Op op) {
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) x = op(x, __shfl_xor_sync(kFullMask, x, d));
-  return x;
-}
-__device__ __forceinline__ uint32_t warp_sum(uint32_t x) {
-#if __CUDA_ARCH__ >= 800
-  return __reduce_add_sync(kFullMask, x);
-#else
-  return warp_fold(x, [](uint32_t a, uint32_t b) { return a + b; });
-#endif
-}
-__device__ __forceinline__ uint32_t warp_and(uint32_t x) {
-#if __CUDA_ARCH__ >= 800
-  return __reduce_and_sync(kFullMask, x);
-#else
-  return warp_fold(x, [](uint32_t a, uint32_t b) { return a & b; });
-#endif
-}
-__device__ __forceinline__ uint32_t warp_or(uint32_t x) {
-#if __CUDA_ARCH__ >= 800
-  return __reduce_or_sync(kFullMask, x);
-#else
-  return warp_fold(x, [](uint32_t a, uint32_t b) { return a | b; });
-#endif
-}
-__device__ __forceinline__ uint64_t warp_and(uint64_t x) {
-  return (uint64_t(warp_and(uint32_t(x >> 32))) << 32) | warp_and(uint32_t(x));
-}
-__device__ __forceinline__ uint64_t warp_or(uint64_t x) {
-  return (uint64_t(warp_or(uint32_t(x >> 32))) << 32) | warp_or(uint32_t(x));
-}
-__device__ __forceinline__ int warp_max(int x) {
-#if __CUDA_ARCH__ >= 800
-  return __reduce_max_sync(kFullMask, x);
-#else
-  return static_cast<int>(warp_fold(static_cast<uint32_t>(x), [](uint32_t a, uint32_t b) {
-    return static_cast<int>(a) > static_cast<int>(b) ? a : b;
-  }));
-#endif
-}
-__device__ __forceinline__ uint32_t warp_min(uint32_t x) {
-#if __CUDA_ARCH__ >= 800
-  return __reduce_min_sync(kFullMask, x);
-#else
-  return warp_fold(x, [](uint32_t a, uint32_t b) { return a < b ? a : b; });
-#endif
-}
-__device__ __forceinline__ uint32_t warp_max(uint32_t x) {
-#if __CUDA_ARCH__ >= 800
-  return __reduce_max_sync(kFullMask, x);
-#else
-  return warp_fold(x, [](uint32_t a, uint32_t b) { return a > b ? a : b; });
-#endif
-}
-__device__ __forceinline__ uint64_t warp_min(uint64_t x) {
-  return warp_fold(x, [](uint64_t a, uint64_t b) { return a < b ? a : b; });
-}
-__device__ __forceinline__ uint64_t warp_max(uint64_t x) {
-  return warp_fold(x, [](uint64_t a, uint64_t b) { return a > b ? a : b; });
-}
+// A thread's counts of a row's non-finite scores (settle_row's input).
+struct NonFiniteCount {
+  int nan = 0, pinf = 0, ninf = 0;
+  __device__ __forceinline__ void add(double s) {
+    nan += s != s;
+    pinf += s == INFINITY;
+    ninf += s == -INFINITY;
+  }
+};
+
 // What the solver needs to know about a row before sorting it.
 template <typename Key>
 struct Census {
@@ -372,27 +320,8 @@ __device__ __forceinline__ void scan_affine(ScanStorage& st, double a, double fc
     }
 #pragma unroll
     for (int i = kRake - 1; i >= 0; --i) hc = fma(st.a[i][lane], hc, st.rc[i][lane]);
-    double ha = ga;
-    // (a1, c1) then (a2, c2) = (a1 a2, a2 c1 + c2); forward runs up the lanes, reverse down.
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const double ua = __shfl_up_sync(kFullMask, ga, d), uc = __shfl_up_sync(kFullMask, gc, d);
-      const double da = __shfl_down_sync(kFullMask, ha, d), dc = __shfl_down_sync(kFullMask, hc, d);
-      if (lane >= d) {
-        gc = fma(ga, uc, gc);
-        ga *= ua;
-      }
-      if (lane + d < 32) {
-        hc = fma(ha, dc, hc);
-        ha *= da;
-      }
-    }
-    // The value entering a lane is the composite map of the lanes before it applied to the
-    // start (sums of nonnegative terms: no cancellation).
-    const double x0 = st.x0, y0 = st.y0;
-    const double xa = __shfl_up_sync(kFullMask, ga, 1), xc = __shfl_up_sync(kFullMask, gc, 1);
-    const double ya = __shfl_down_sync(kFullMask, ha, 1), yc = __shfl_down_sync(kFullMask, hc, 1);
-    double x = lane == 0 ? x0 : fma(xa, x0, xc), y = lane == 31 ? y0 : fma(ya, y0, yc);
+    double x, y;  // what enters the lane's run from below and from above
+    warp_enter_maps(ga, gc, hc, st.x0, st.y0, &x, &y);
 #pragma unroll
     for (int i = 0; i < kRake; ++i) {
       const double in = x;
@@ -425,6 +354,97 @@ struct Gap {
   double A, B, hi, lo;
 };
 
+// e^{d/t} for the scans' differences d <= 0: (d s) / (t s) with a power-of-two s that lifts
+// a subnormal t, whose reciprocal inv_temperature caps (right for the mask's 0 * inv_t,
+// wrong for these differences). Never NaN for d <= 0 (inv_ts is finite > 0).
+struct GapExp {
+  double scale, inv_ts;
+  __device__ explicit GapExp(double t) : scale(t < 0x1p-960 ? 0x1p64 : 1.0), inv_ts(1.0 / (t * scale)) {}
+  __device__ __forceinline__ double operator()(double d) const { return exp(d * scale * inv_ts); }
+};
+
+// One thread's (or lane's) run of kItems consecutive sorted positions j0 + q folded into one
+// map each way. The map at j is x -> f_j x + f_j inside (first, end), the identity elsewhere,
+// with f_j = e^{(s_j - s_{j-1})/t} in [0, 1] (equal scores give exactly 1); composed upward
+// x -> fa x + fc, and downward x -> fa x + rc with rc = sum_{q inside} prod_{p <= q} f_p.
+// v_before = s_{j0 - 1}. Summed as the scores come: no per-score arrays (registers).
+template <typename Key, typename SK, int kItems>
+__device__ __forceinline__ void fold_maps(const Key (&keys)[kItems], double v_before, int j0, int first, int end,
+                                          const GapExp& e, double* fa, double* fc, double* rc) {
+  double a = 1.0, up = 0.0, down = 0.0;
+#pragma unroll
+  for (int q = 0; q < kItems; ++q) {
+    const bool inside = j0 + q > first && j0 + q < end;
+    const double f = e(inside ? SK::value(keys[q]) - (q > 0 ? SK::value(keys[q - 1]) : v_before) : 0.0);
+    up = fma(f, up, inside ? f : 0.0);
+    a *= f;
+    down += inside ? a : 0.0;
+  }
+  *fa = a;
+  *fc = up;
+  *rc = down;
+}
+
+// Psi at position j of the sorted scores: C_j - A'_j / 2 + Q_j / 2 (see solve_sorted).
+__device__ __forceinline__ double psi_sorted(double C, double a_prime, double q) { return C - 0.5 * a_prime + 0.5 * q; }
+
+// Does Psi pass k at the position just before a run of positions [j0, ...) (the run's maps
+// (fa, fc, rc), x = A'_{j0 - 1} and y = R past the run entering it)? A run with no finite
+// score counts as passing, one whose first position is at or before first as failing.
+__device__ __forceinline__ bool run_passes(int j0, int first, int end, double above_count, double x, double fa,
+                                           double rc, double y, double kf) {
+  if (j0 >= end) return true;
+  if (j0 - 1 < first) return false;
+  return psi_sorted(above_count + static_cast<double>(j0 - 1 - first), x, 1.0 + fma(fa, y, rc)) >= kf;
+}
+
+// The root's gap inside the run of `count` <= kLanes positions o0 + lane that owns it (the
+// last run whose test before it fails), walked a lane each: lane q of the group holds the
+// key at o0 + q (lanes >= count: ignored), x = A'_{o0 - 1}, y = R_{o0 + count}, v_before =
+// s_{o0 - 1} (each the same in every lane). Every lane computes its candidate (*gap, *C);
+// returns the group lane whose candidate holds (the same in every lane). The whole group
+// calls.
+template <typename Key, typename SK, int kLanes = 32>
+__device__ __forceinline__ int gap_in_run(Key key, int o0, int count, double x, double y, double v_before, int first,
+                                          int end, double kf, const SortedTails& tails, const GapExp& e, Gap* gap,
+                                          double* C) {
+  using G = LaneGroup<kLanes>;
+  const int lane = G::lane(), j = o0 + lane;
+  const bool mine = lane < count;
+  // Lane q's map, then the affine scans of the lanes' maps upward (A'_j) and downward (R_j).
+  const double vq = mine ? SK::value(key) : 0.0;
+  double vp = G::up(vq, 1);
+  if (lane == 0) vp = v_before;
+  const bool in = mine && j > first && j < end;
+  const double f = in ? e(vq - vp) : 1.0;
+  double ua = f, uc = in ? f : 0.0, da = ua, dc = uc;
+  warp_scan_maps<kLanes>(ua, uc, da, dc);
+  const double a_j = fma(ua, x, uc);          // A'_j
+  double a_prev = G::up(a_j, 1);              // A'_{j-1}
+  if (lane == 0) a_prev = x;
+  const double r_j = fma(da, y, dc);          // R_j (lanes past count: identity)
+  double q_j = 1.0 + G::down(r_j, 1);         // Q_j = 1 + R_{j+1}
+  if (lane == kLanes - 1) q_j = 1.0 + y;
+  const auto C_at = [&](int i) { return tails.above_count + static_cast<double>(i - first); };
+  const bool valid = mine && j >= first && j < end;
+  // The next run's test passed at this run's last position, so it is the candidate when
+  // rounding fails it here; the run that holds end - 1 stands for j = end.
+  const bool last = lane == count - 1 && o0 + count < end;
+  const unsigned hit = G::ballot(valid && (psi_sorted(C_at(j), a_j, q_j) >= kf || last));
+  const unsigned ends_here = G::ballot(valid && j == end - 1);
+  if (hit == 0u) {  // below every finite score: j = end
+    *C = C_at(end);
+    *gap = tails.below_sum > 0.0 ? Gap{1.0 + a_j, tails.below_sum, vq, tails.below_ref}
+                                 : Gap{1.0 + a_j, 0.0, vq, -INFINITY};
+  } else {
+    *C = C_at(j);
+    *gap = j > first                ? Gap{1.0 + a_prev, q_j, vp, vq}
+           : tails.above_count > 0.0 ? Gap{tails.above_sum, q_j, tails.above_ref, vq}
+                                     : Gap{0.0, q_j, INFINITY, vq};
+  }
+  return __ffs(hit != 0u ? hit : ends_here) - 1;  // one of them is set
+}
+
 // Shared memory of the solve: `scan` and after it may alias the sort's storage (the first
 // barrier of solve_sorted ends the sort's use of it); last_v must not.
 struct SolveStorage {
@@ -443,58 +463,39 @@ struct SolveStorage {
 //
 // Psi at position j (at s_j) is C_j - A'_j / 2 + Q_j / 2 with C_j = above_count + j - first
 // and Q_j = 1 + R_{j+1}; it grows with j, and the root's gap lies just above the first j
-// with Psi >= k. Each thread folds its maps into one (no per-score arrays: registers), the
-// scans give what enters each thread, and each thread tests the position before its first,
-// where A' and R are known from those alone. The last thread whose test fails owns the
-// first passing position (or, owning end - 1, stands for j = end); one warp then walks its
-// scores, a lane each.
+// with Psi >= k. Each thread folds its maps into one (fold_maps), the scans give what
+// enters each thread, and each thread tests the position before its first, where A' and R
+// are known from those alone. The last thread whose test fails owns the first passing
+// position (or, owning end - 1, stands for j = end); one warp then walks its scores, a lane
+// each (gap_in_run).
 template <typename Key, typename SK, int kItems>
 __device__ __forceinline__ double solve_sorted(SolveStorage& st, double (&last_v)[kWarps], const Key (&keys)[kItems],
                                                int first, int end, double kf, double t, const SortedTails& tails) {
   static_assert(kItems <= 32, "the owner's scores are walked a lane each");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int j0 = tid * kItems;
-  // (d s) / (t s) for the exponents: a power-of-two s lifts a subnormal t, whose reciprocal
-  // inv_temperature caps (right for the mask's 0 * inv_t, wrong for these differences).
-  const double scale = t < 0x1p-960 ? 0x1p64 : 1.0;
-  const double inv_ts = 1.0 / (t * scale);
-  const auto v = [&](int q) { return SK::value(keys[q]); };
-  const auto inside = [&](int j) { return j > first && j < end; };
+  const GapExp e(t);
   // s_{j0 - 1}: the previous thread's last score.
-  double v_before = __shfl_up_sync(kFullMask, v(kItems - 1), 1);
-  if (lane == 31) last_v[warp] = v(kItems - 1);
+  double v_before = __shfl_up_sync(kFullMask, SK::value(keys[kItems - 1]), 1);
+  if (lane == 31) last_v[warp] = SK::value(keys[kItems - 1]);
   __syncthreads();
   if (lane == 0 && warp > 0) v_before = last_v[warp - 1];
 
-  // The map at j: x -> f_j x + f_j inside (first, end), the identity elsewhere; f_j in [0, 1]
-  // (the difference is <= 0 and inv_ts finite > 0: never NaN; equal scores give exactly 1).
-  // The thread's maps composed upward (fc) and downward: x -> fa x + rc with
-  // rc = sum_{q inside} prod_{p <= q} f_p, both summed as the scores come.
-  double fa = 1.0, fc = 0.0, rc = 0.0;
-#pragma unroll
-  for (int q = 0; q < kItems; ++q) {
-    const double f = exp(inside(j0 + q) ? (v(q) - (q > 0 ? v(q - 1) : v_before)) * scale * inv_ts : 0.0);
-    fc = fma(f, fc, inside(j0 + q) ? f : 0.0);
-    fa *= f;
-    rc += inside(j0 + q) ? fa : 0.0;
-  }
+  double fa, fc, rc;
+  fold_maps<Key, SK, kItems>(keys, v_before, j0, first, end, e, &fa, &fc, &rc);
   // The tails start the scans: A'_first = sum_above e^{(s_first - s)/t}, and past end - 1
   // R_end = sum_below e^{(s - s_{end-1})/t} (after the barrier above: st may alias the sort's).
 #pragma unroll
   for (int q = 0; q < kItems; ++q) {
     if (j0 + q == first)
-      st.scan.x0 = tails.above_sum > 0.0 ? tails.above_sum * exp((v(q) - tails.above_ref) * scale * inv_ts) : 0.0;
+      st.scan.x0 = tails.above_sum > 0.0 ? tails.above_sum * e(SK::value(keys[q]) - tails.above_ref) : 0.0;
     if (j0 + q == end - 1)
-      st.scan.y0 = tails.below_sum > 0.0 ? tails.below_sum * exp((tails.below_ref - v(q)) * scale * inv_ts) : 0.0;
+      st.scan.y0 = tails.below_sum > 0.0 ? tails.below_sum * e(tails.below_ref - SK::value(keys[q])) : 0.0;
   }
   double x, y;  // A'_{j0 - 1} and R_{j0 + kItems}
   scan_affine(st.scan, fa, fc, rc, &x, &y);
 
-  // Psi at s_{j0 - 1} >= k? A thread with no finite score counts as passing, one whose first
-  // position is at or before first as failing.
-  const auto C = [&](int j) { return tails.above_count + static_cast<double>(j - first); };
-  bool pass = j0 >= end;
-  if (j0 - 1 >= first && j0 < end) pass = C(j0 - 1) - 0.5 * x + 0.5 * (1.0 + fma(fa, y, rc)) >= kf;
+  const bool pass = run_passes(j0, first, end, tails.above_count, x, fa, rc, y, kf);
   const int failing = warp_max(pass ? -1 : tid);
   if (lane == 0) st.last_failing[warp] = failing;
   __syncthreads();
@@ -508,53 +509,14 @@ __device__ __forceinline__ double solve_sorted(SolveStorage& st, double (&last_v
   }
   __syncthreads();
   if (warp == 0) {
-    // Lane q holds the owner's position j = o0 + q: its map, then the affine scans of the
-    // lanes' maps upward (A'_j) and downward (R_j), one shuffle tree each.
-    const int o0 = owner * kItems, j = o0 + lane;
-    const bool mine = lane < kItems;
-    const double vq = mine ? SK::value(static_cast<Key>(st.walk_keys[lane])) : 0.0;
-    double vp = __shfl_up_sync(kFullMask, vq, 1);
-    if (lane == 0) vp = st.walk_v_before;
-    const bool in = mine && inside(j);
-    const double f = in ? exp((vq - vp) * scale * inv_ts) : 1.0;
-    double ua = f, uc = in ? f : 0.0, da = ua, dc = uc;  // upward and downward composites
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const double pa = __shfl_up_sync(kFullMask, ua, d), pc = __shfl_up_sync(kFullMask, uc, d);
-      const double na = __shfl_down_sync(kFullMask, da, d), nc = __shfl_down_sync(kFullMask, dc, d);
-      if (lane >= d) {  // (earlier lanes first) then this one
-        uc = fma(ua, pc, uc);
-        ua *= pa;
-      }
-      if (lane + d < 32) {  // (later lanes first, downward) then this one
-        dc = fma(da, nc, dc);
-        da *= na;
-      }
-    }
-    const double a_j = fma(ua, st.walk_x, uc);                          // A'_j
-    double a_prev = __shfl_up_sync(kFullMask, a_j, 1);                  // A'_{j-1}
-    if (lane == 0) a_prev = st.walk_x;
-    const double r_j = fma(da, st.walk_y, dc);                          // R_j (lanes past kItems: identity)
-    double q_j = 1.0 + __shfl_down_sync(kFullMask, r_j, 1);             // Q_j = 1 + R_{j+1}
-    if (lane == 31) q_j = 1.0 + st.walk_y;
-    const bool valid = mine && j >= first && j < end;
-    // The next thread's test passed at the owner's last position, so it is the candidate
-    // when rounding fails it here; the owner of end - 1 stands for j = end.
-    const bool last = lane == kItems - 1 && o0 + kItems < end;
-    const unsigned hit = __ballot_sync(kFullMask, valid && (C(j) - 0.5 * a_j + 0.5 * q_j >= kf || last));
-    const unsigned ends_here = __ballot_sync(kFullMask, valid && j == end - 1);
-    const int lead = __ffs(hit != 0u ? hit : ends_here) - 1;  // one of them is set
+    const Key key = lane < kItems ? static_cast<Key>(st.walk_keys[lane]) : Key(0);
+    Gap gap;
+    double C;
+    const int lead = gap_in_run<Key, SK>(key, owner * kItems, kItems, st.walk_x, st.walk_y, st.walk_v_before, first,
+                                         end, kf, tails, e, &gap, &C);
     if (lane == lead) {
-      if (hit == 0u) {  // below every finite score: j = end
-        st.C = C(end);
-        st.gap = tails.below_sum > 0.0 ? Gap{1.0 + a_j, tails.below_sum, vq, tails.below_ref}
-                                       : Gap{1.0 + a_j, 0.0, vq, -INFINITY};
-      } else {
-        st.C = C(j);
-        st.gap = j > first                ? Gap{1.0 + a_prev, q_j, vp, vq}
-                 : tails.above_count > 0.0 ? Gap{tails.above_sum, q_j, tails.above_ref, vq}
-                                           : Gap{0.0, q_j, INFINITY, vq};
-      }
+      st.gap = gap;
+      st.C = C;
     }
   }
   __syncthreads();

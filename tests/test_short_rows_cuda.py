@@ -1,0 +1,261 @@
+"""Short rows (n <= a few thousand): the on-chip sort solver, a warp per row up to the tuned
+warp maximum (csrc/cuda/soft/tuning.cuh: 1024 scores, 512 for float64; rows of n <= 8 or 16
+share a warp four or two ways) and a CTA per row above it. Each case is checked against the float64 oracle (budget, mask, log mask) on every
+device, and on CUDA also against the CPU kernels (threshold, mask, diagnostics). The rows
+mix the adversarial kinds with per-row k and temperature."""
+import itertools
+import math
+
+import pytest
+import torch
+
+import fastlapsum as fl
+from fastlapsum import reference
+
+from conftest import BUDGET_TOL, budget_error, mask_floor, requires_cuda
+
+F64 = torch.float64
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+EPS64 = torch.finfo(F64).eps
+# The warp regime's largest rows (SoftTuning in csrc/cuda/soft/tuning.cuh) and one past them.
+WARP_ROW_MAX = {torch.float64: 512}
+WARP_ROW_MAX_DEFAULT = 1024
+NS = [1, 2, 3, 8, 9, 16, 17, 31, 32, 33, 64, 100, 255, 256, 257, 512, 513, 1000, 1024, 1025]
+CPU_NS = [1, 9, 33, 257, 1025]  # the sweep on the CPU kernels (the oracle costs most of it)
+TEMPS = [1e-6, 1e-2, 1.0, 1e3]
+KINDS = 9
+NAN_KIND = 8
+
+
+def budgets(n):
+    return sorted({min(k, float(n)) for k in (0.0, 0.3, 1.0, n / 2, n - 1e-3, float(n))})
+
+
+def row_of_kind(kind, n, g):
+    """One float64 row of n scores of an adversarial kind."""
+    i = torch.arange(n, dtype=F64)
+    if kind == 0:
+        return torch.randn(n, generator=g, dtype=F64)
+    if kind == 1:  # ties everywhere
+        return torch.randint(0, 3, (n,), generator=g).double()
+    if kind == 2:  # constant
+        return torch.full((n,), 0.25, dtype=F64)
+    if kind == 3:  # distinct, evenly spaced, ascending
+        return i
+    if kind == 4:  # |b| >> t
+        return 1e4 + 1e-2 * torch.randn(n, generator=g, dtype=F64)
+    if kind == 5:  # all within t of each other
+        return 1e-3 * torch.randn(n, generator=g, dtype=F64)
+    if kind == 6:  # +inf and -inf among finite scores
+        r = torch.randn(n, generator=g, dtype=F64)
+        r[i % 5 == 1] = math.inf
+        r[i % 7 == 3] = -math.inf
+        return r
+    if kind == 7:  # -inf but for a few
+        r = torch.randn(n, generator=g, dtype=F64)
+        return torch.where(torch.rand(n, generator=g, dtype=F64) < 0.2, r, torch.tensor(-math.inf, dtype=F64))
+    r = torch.randn(n, generator=g, dtype=F64)  # NAN_KIND
+    r[n // 3] = math.nan
+    return r
+
+
+def batch(n, seed=0):
+    """float64 rows [R, n] and per-row k, t: every (k, t) pair on three kinds of row (each kind
+    meets every k and every t), plus one random row so that R is no multiple of a CTA's rows."""
+    g = torch.Generator().manual_seed(seed + n)
+    rows, ks, ts, kinds = [], [], [], []
+    for j, (k, t) in enumerate(itertools.product(budgets(n), TEMPS)):
+        for c in range(3):
+            kind = (3 * j + c) % KINDS
+            rows.append(row_of_kind(kind, n, g))
+            ks.append(k)
+            ts.append(t)
+            kinds.append(kind)
+    rows.append(torch.randn(n, generator=g, dtype=F64))
+    ks.append(n / 3)
+    ts.append(0.5)
+    kinds.append(0)
+    return torch.stack(rows), torch.tensor(ks, dtype=F64), torch.tensor(ts, dtype=F64), torch.tensor(kinds)
+
+
+def oracle(x, k, t, largest):
+    """float64 oracle b, mask, log mask and weight sum sum_i t w_i per row, for x as given."""
+    s = x.double().cpu() * (1.0 if largest else -1.0)
+    b, edge = reference.lapsum_threshold_reference(s, k, t)
+    p = reference.lapsum_mask_reference(s, b, t, edge)
+    lp = reference.lapsum_mask_reference(s, b, t, edge, log=True)
+    u = (s - b[:, None]) / t[:, None]
+    fin = torch.isfinite(s) & torch.isfinite(b)[:, None]
+    tw = torch.where(fin, 0.5 * torch.exp(-u.abs()), torch.zeros_like(u)).sum(1)
+    return b, p, lp, tw
+
+
+def conditioning(b, t, k, tw):
+    """What the threshold's own fp64 rounding and the fp64 budget bound (DESIGN §1.2) move
+    (x - b)/t by: a few ulps of b over t, and 1e-12 max(k, 1) / W. Capped well below a 0/1
+    flip, so that nearly hard masks are still compared."""
+    bb = abs(b) if math.isfinite(b) else 0.0
+    return min(8 * EPS64 * (1 + bb) / t + 1e-12 * max(k, 1.0) / max(tw, 1e-300), 1e-3)
+
+
+def check_against_oracle(x, k, t, kinds, largest):
+    """Failure messages of soft_topk / log_soft_topk / lapsum_threshold on x against the oracle."""
+    dtype = x.dtype
+    b_ref, p_ref, lp_ref, tw = oracle(x, k, t, largest)
+    kd, td = k.to(x.device), t.to(x.device)
+    p = fl.soft_topk(x, kd, td, largest=largest).cpu()
+    lp = fl.log_soft_topk(x, kd, td, largest=largest).cpu()
+    b = fl.lapsum_threshold(x, kd, td, largest=largest).cpu()
+    assert p.dtype == lp.dtype == dtype and b.dtype == F64
+    fails = []
+    for r in range(x.shape[0]):
+        where = f"row {r} kind {int(kinds[r])} k={k[r].item()} t={t[r].item()}"
+        if kinds[r] == NAN_KIND:
+            if not (p[r].isnan().all() and lp[r].isnan().all() and b[r].isnan()):
+                fails.append(f"{where}: a NaN row must give NaN")
+            continue
+        kr, tr, br = k[r].item(), t[r].item(), b_ref[r].item()
+        # an infinite threshold exactly; a finite one is checked through the budget and mask
+        # (where no score lies near it, the budget pins it only loosely)
+        b_user = br if largest else -br  # the op's b is in x's units
+        if math.isfinite(b[r].item()) != math.isfinite(br) or (not math.isfinite(br) and b[r].item() != b_user):
+            fails.append(f"{where}: b {b[r].item()} vs oracle {b_user}")
+        cond = conditioning(br, tr, kr, tw[r].item())
+        # budget: DESIGN §1.2's bound, plus 4 W ulp(b) / max(k, 1) where b cannot be held closer
+        bound = BUDGET_TOL[dtype] + (4 * tw[r].item() / tr * math.ulp(br) / max(kr, 1.0) if math.isfinite(br) else 0)
+        be = budget_error(p[r:r + 1], k[r:r + 1]).item()
+        if not be <= bound:
+            fails.append(f"{where}: budget error {be:.3e} > {bound:.3e}")
+        tol = 4 * mask_floor(p_ref[r], dtype) + 1e-12 + 0.5 * cond
+        err = (p[r].double() - p_ref[r]).abs().max().item()
+        if not err <= tol:
+            fails.append(f"{where}: mask error {err:.3e} > {tol:.3e}")
+        # log mask: the same rule in the log domain (rounding log p to dtype), exact infinities
+        lr, lg = lp_ref[r], lp[r].double()
+        fin = torch.isfinite(lr)
+        if not torch.equal(lg[~fin], lr[~fin]):
+            fails.append(f"{where}: log mask infinities differ")
+        elif fin.any():
+            floor = (lr[fin].to(dtype).double() - lr[fin]).abs().max().item()
+            ltol = 4 * floor + 1e-12 + cond
+            lerr = (lg[fin] - lr[fin]).abs().max().item()
+            if not lerr <= ltol:
+                fails.append(f"{where}: log mask error {lerr:.3e} > {ltol:.3e}")
+    return fails
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", NS)
+def test_short_rows_match_oracle(device, n, dtype, largest):
+    if device == "cpu" and n not in CPU_NS:
+        pytest.skip("the CPU kernels' short rows are swept in test_soft_topk.py; a few n here")
+    x64, k, t, kinds = batch(n)
+    x = x64.to(dtype).to(device)
+    fails = check_against_oracle(x, k, t, kinds, largest)
+    assert not fails, "\n".join(fails[:20])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [8, 33, 256, 1025])
+def test_budget_at_the_infinities(device, n, dtype):
+    """k at and just past the boundaries the infinities set: k = #(+inf) (b = +inf, each +inf
+    score gets 1), a hair more (a finite root just below the +inf scores), k = n - #(-inf)
+    (b = -inf) and a hair less, with 3 +inf and 2 -inf scores; and rows all +inf / all -inf."""
+    g = torch.Generator().manual_seed(n)
+    base = torch.randn(n, generator=g, dtype=F64)
+    base[[0, n // 2, n - 1]] = math.inf
+    base[[1, n // 3 + 1]] = -math.inf
+    ks = [3.0, 3.0 + 1e-9, 3.5, n - 2.0, n - 2.0 - 1e-9, n - 2.5, 2.0, n - 1.0]
+    rows = [base] * len(ks) + [torch.full((n,), math.inf, dtype=F64), torch.full((n,), -math.inf, dtype=F64)]
+    ks += [n / 2, n / 3]
+    x = torch.stack(rows).to(dtype).to(device)
+    k = torch.tensor(ks, dtype=F64)
+    for t in (1e-6, 1.0):
+        tt = torch.full_like(k, t)
+        for largest in (True, False):
+            fails = check_against_oracle(x, k, tt, torch.zeros(len(ks), dtype=torch.long), largest)
+            assert not fails, "\n".join(fails[:20])
+
+
+# |p_cuda - p_cpu|: both hold b in fp64; the mask is rounded to x's dtype once
+P_TOL = {torch.float64: 1e-11, torch.float32: 3e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def same_or_close(a, b, rtol, atol):
+    """Elementwise: equal (infinities, NaN included) or within atol + rtol |b|."""
+    return bool(((a == b) | (a.isnan() & b.isnan()) | ((a - b).abs() <= atol + rtol * b.abs())).all())
+
+
+@requires_cuda
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", NS)
+def test_short_rows_match_cpu(n, dtype, largest):
+    """The same rows on CUDA and on the CPU: thresholds (both solve the sorted row in fp64),
+    masks, log masks and the diagnostics (path, finite scores sorted, attempts)."""
+    x64, k, t, _ = batch(n, seed=1)
+    xc = x64.to(dtype)
+    xg, kg, tg = xc.cuda(), k.cuda(), t.cuda()
+    bc = fl.lapsum_threshold(xc, k, t, largest=largest)
+    bg = fl.lapsum_threshold(xg, kg, tg, largest=largest).cpu()
+    assert same_or_close(bg, bc, 1e-9, 1e-9 * t), (bg - bc).abs().max()
+    # where |b| >> t, the thresholds' last bits (the two solvers round differently) move the
+    # mask by up to a density (1/2) times a few ulps of b over t
+    fin = torch.isfinite(bc)
+    ulp_b = torch.where(fin, (torch.nextafter(bc, torch.full_like(bc, math.inf)) - bc).abs(), torch.zeros_like(bc))
+    atol = (P_TOL[dtype] + 2 * ulp_b.nan_to_num(0.0) / t)[:, None]
+    pc = fl.soft_topk(xc, k, t, largest=largest).double()
+    pg = fl.soft_topk(xg, kg, tg, largest=largest).cpu().double()
+    assert same_or_close(pg, pc, 0.0, atol), (pg - pc).abs().nan_to_num(0.0).max()
+    lc = fl.log_soft_topk(xc, k, t, largest=largest).double()
+    lg = fl.log_soft_topk(xg, kg, tg, largest=largest).cpu().double()
+    assert same_or_close(lg.exp(), lc.exp(), 10 * P_TOL[dtype], atol)
+    dc = fl.lapsum_diagnostics(xc, k, t, largest=largest)
+    dg = fl.lapsum_diagnostics(xg, kg, tg, largest=largest)
+    for name in ("path", "middle_size", "attempts"):
+        assert torch.equal(getattr(dg, name).cpu(), getattr(dc, name)), name
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n", [5, 8, 16, 64, 256, 1024])
+def test_many_short_rows_match_cpu(n, dtype):
+    """A router-sized batch (many CTAs of the warp kernel, rows no multiple of a CTA's):
+    every row sorted (PATH_SORT over all n), masks and budgets as on the CPU."""
+    rows = 5003
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(rows, n, generator=g, dtype=F64).to(dtype)
+    k = torch.rand(rows, generator=g, dtype=F64) * (n - 0.5) + 0.25
+    t = torch.rand(rows, generator=g, dtype=F64) * 2 + 0.05
+    for largest in (True, False):
+        pc = fl.soft_topk(x, k, t, largest=largest).double()
+        pg = fl.soft_topk(x.cuda(), k.cuda(), t.cuda(), largest=largest).cpu().double()
+        assert (pg - pc).abs().max().item() <= P_TOL[dtype]
+        assert budget_error(pg, k).item() <= BUDGET_TOL[dtype]
+    info = fl.lapsum_diagnostics(x.cuda(), k.cuda(), t.cuda())
+    assert (info.path == fl.PATH_SORT).all() and (info.middle_size == n).all() and (info.attempts == 0).all()
+
+
+@requires_cuda
+@pytest.mark.parametrize("n", [8, 100, 512, 1000])
+def test_extreme_temperatures_match_cpu(n):
+    """Subnormal temperatures on fp64 rows (1/t overflows: the scan scales its differences),
+    and fp32 rows with t = 1e25 / 1e-25 and scores of 1e31 (the mask's 1/t and |b| far out
+    of the usual range): thresholds, masks and budgets on CUDA as on the CPU."""
+    g = torch.Generator().manual_seed(n)
+    tiny = torch.randn(4, n, generator=g, dtype=F64) * 1e-308
+    wide = torch.stack([torch.randn(n, generator=g, dtype=F64), torch.randn(n, generator=g, dtype=F64),
+                        1e31 * torch.randn(n, generator=g, dtype=F64)]).float()
+    cases = [(tiny, [1.0, n / 16, n / 2 + 0.5, n - 3.0], [1e-310, 3e-309, 1e-312, 2e-308]),
+             (wide, [n / 16, n / 4, n / 3], [1e25, 1e-25, 1e30])]
+    for x, k, t in cases:
+        k, t = torch.tensor(k, dtype=F64), torch.tensor(t, dtype=F64)
+        for largest in (True, False):
+            bc = fl.lapsum_threshold(x, k, t, largest=largest)
+            bg = fl.lapsum_threshold(x.cuda(), k.cuda(), t.cuda(), largest=largest).cpu()
+            assert same_or_close(bg, bc, 1e-9, 1e-9 * t), (bg, bc)
+            pc = fl.soft_topk(x, k, t, largest=largest).double()
+            pg = fl.soft_topk(x.cuda(), k.cuda(), t.cuda(), largest=largest).cpu().double()
+            assert (pg - pc).abs().max().item() <= P_TOL[x.dtype]
+            assert budget_error(pg, k).item() <= BUDGET_TOL[x.dtype]
