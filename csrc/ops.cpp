@@ -3,12 +3,31 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <utility>
+
+#include "common/plan.h"
 #include "ops.h"
 
-// An importable module, so that `import fastlapsum._C` loads the op library.
+// An importable module, so that `import fastlapsum._C` loads the op library; it also carries
+// the constants Python needs (the plan's crossover, the diagnostics' path codes), so that they
+// are never copied by hand.
 extern "C" PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
+  PyObject* m = PyModule_Create(&module_def);
+  if (m == nullptr) return nullptr;
+  const std::pair<const char*, int64_t> constants[] = {
+      {"AUTO_SORT_MAX_N", fastlapsum::kAutoSortMaxN}, {"PATH_DIRECT", fastlapsum::kPathDirect},
+      {"PATH_SORT", fastlapsum::kPathSort},           {"PATH_BRACKET", fastlapsum::kPathBracket},
+      {"PATH_BRACKET_RETRY", fastlapsum::kPathBracketRetry}, {"PATH_RADIX", fastlapsum::kPathRadix},
+      {"METHOD_AUTO", fastlapsum::kMethodAuto},       {"METHOD_SORT", fastlapsum::kMethodSort},
+      {"METHOD_BRACKET", fastlapsum::kMethodBracket}, {"MODE_SOFT", fastlapsum::kModeSoft},
+      {"MODE_LOG", fastlapsum::kModeLog},             {"MODE_HARD", fastlapsum::kModeHard}};
+  for (const auto& [name, value] : constants)
+    if (PyModule_AddIntConstant(m, name, static_cast<long>(value)) != 0) {
+      Py_DECREF(m);
+      return nullptr;
+    }
+  return m;
 }
 
 TORCH_LIBRARY(fastlapsum, m) {

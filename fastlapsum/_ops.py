@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from . import _C  # noqa: F401  (loads the op library)
+from . import _C  # loads the op library; carries its constants
 
 ops = torch.ops.fastlapsum
 F64 = torch.float64
 
-METHODS = {"auto": 0, "sort": 1, "bracket": 2}
-MODE_SOFT, MODE_LOG, MODE_HARD = 0, 1, 2
+METHODS = {"auto": _C.METHOD_AUTO, "sort": _C.METHOD_SORT, "bracket": _C.METHOD_BRACKET}
+MODE_SOFT, MODE_LOG, MODE_HARD = _C.MODE_SOFT, _C.MODE_LOG, _C.MODE_HARD
 
 
 def has_cuda_kernels() -> bool:

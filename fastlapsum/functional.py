@@ -16,8 +16,8 @@ Budget = Union[Number, torch.Tensor]
 
 __all__ = ["soft_topk", "log_soft_topk", "lapsum_threshold", "lapsum_diagnostics", "topk", "LapSumInfo"]
 
-# Solver paths reported by lapsum_diagnostics (same codes as csrc/common/lapsum_math.h).
-PATH_DIRECT, PATH_SORT, PATH_BRACKET, PATH_BRACKET_RETRY, PATH_RADIX = range(5)
+# Solver paths reported by lapsum_diagnostics, and the plan's crossover (csrc/common/plan.h).
+from ._C import AUTO_SORT_MAX_N, PATH_BRACKET, PATH_BRACKET_RETRY, PATH_DIRECT, PATH_RADIX, PATH_SORT  # noqa: E402
 PATH_NAMES = ("direct", "sort", "bracket", "bracket-retry", "radix-fallback")
 
 

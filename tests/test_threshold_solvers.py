@@ -7,8 +7,6 @@ that the periodic rows really show the sample a single phase of the row.
 """
 import contextlib
 import math
-import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,21 +22,6 @@ INF = math.inf
 M32 = 0xFFFFFFFF
 
 
-def _auto_bracket_min_n():
-    """kAutoBracketMinN of csrc/forward/threshold_cpu.cpp (a measured crossover that
-    moves): method="auto" brackets rows with at least that many finite scores."""
-    src = Path(__file__).resolve().parents[1] / "csrc" / "forward" / "threshold_cpu.cpp"
-    if not src.exists():
-        return None
-    m = re.search(r"kAutoBracketMinN\s*=\s*([^;]+);", src.read_text())
-    if m is None:
-        return None
-    expr = m.group(1).strip()
-    shift = re.fullmatch(r"(\d+)\s*<<\s*(\d+)", expr)
-    return int(shift.group(1)) << int(shift.group(2)) if shift else int(expr)
-
-
-AUTO_BRACKET_MIN_N = _auto_bracket_min_n()
 
 
 # ---------------------------------------------------------------------------------
@@ -238,7 +221,7 @@ def _check_exact(x, k, t, method):
 # Both engines run the certified sample bracket. How a solver is *chosen* differs: on
 # CUDA, auto and sort solve rows of up to 4096 scores on chip with the sort solver and
 # longer rows with the bracket (auto) or the exact radix bracket (sort); the CPU switches
-# at its measured crossover and sorts rows of any length. The CUDA engine does not widen
+# at the same length (plan.h) and its sort handles rows of any length. The CUDA engine does not widen
 # and retry: a bracket that fails goes straight to the radix bracket.
 BRACKET_DEVICES = DEVICES
 CPU_SOLVER_CHOICE = ["cpu"]
@@ -269,25 +252,25 @@ def test_batch_of_gaussian_rows_bracket_each_row(device):
     assert (info.middle_size < 40000 // 8).all() and (info.middle_size > 0).all()
 
 
-@pytest.mark.skipif(AUTO_BRACKET_MIN_N is None, reason="csrc/forward/threshold_cpu.cpp not found")
 @pytest.mark.parametrize("device", CPU_SOLVER_CHOICE)
 def test_auto_switches_solver_at_the_crossover(device):
-    """auto: sort below kAutoBracketMinN finite scores, bracket from there on; the
-    count is of finite scores (infinities do not count)."""
-    c = AUTO_BRACKET_MIN_N
+    """auto (csrc/common/plan.h, the same on every device): sort rows of at most
+    AUTO_SORT_MAX_N scores, bracket longer ones, decided on the row length (infinities
+    count: the host decides without reading the row)."""
+    c = fl.functional.AUTO_SORT_MAX_N
     x = torch.randn(c + 1000, generator=_gen(22)).to(device)
-    for n, path in [(c - 1, fl.PATH_SORT), (c, fl.PATH_BRACKET), (c + 1000, fl.PATH_BRACKET)]:
+    for n, path in [(c, fl.PATH_SORT), (c + 1, fl.PATH_BRACKET), (c + 1000, fl.PATH_BRACKET)]:
         info = fl.lapsum_diagnostics(x[:n], 100.5, 1.0, method="auto")
         assert info.path.item() == path, (n, fl.PATH_NAMES[info.path.item()])
         if path == fl.PATH_SORT:
             assert info.middle_size.item() == n and info.attempts.item() == 0
         else:
             assert info.attempts.item() == 1
-    # with 1500 -inf scores the finite count drops below the crossover
+    # a long row with 1500 -inf scores is still bracketed (over its finite scores)
     y = torch.randn(c + 500, generator=_gen(23))
     y[:1500] = -INF
     info = fl.lapsum_diagnostics(y.to(device), 100.0, 1.0, method="auto")
-    assert info.path.item() == fl.PATH_SORT and info.middle_size.item() == c - 1000
+    assert info.path.item() == fl.PATH_BRACKET
 
 
 @pytest.mark.parametrize("k", [50000.0, 50000.37, 49990.0, 55000.0, 30000.5, 3.5])

@@ -57,8 +57,10 @@ def _prepare_soft(x, k, temperature, dim, largest, mode, group, what):
             raise TypeError(f"{what}: largest must be a bool, got {type(largest).__name__}")
         d = _check_soft_x(x, dim, what)
         rows_x, batch = _as_rows(x, d)
-        kk = _fn._per_row(k, "k", x, batch, positive=False, integral=mode == MODE_HARD, what=what)
-        tt = _fn._per_row(temperature, "temperature", x, batch, positive=True, what=what)
+        rows = rows_x.size(0)
+        kk = _fn._per_row(k, "k", x, batch, rows, positive=False, integral=mode == MODE_HARD, what=what,
+                          compiling=False)
+        tt = _fn._per_row(temperature, "temperature", x, batch, rows, positive=True, what=what, compiling=False)
     except (TypeError, ValueError, IndexError) as e:
         err = e
     shard = _comm.describe(x, d, group, what, flags=0 if err else int(largest) + 2 * mode, err=err)
