@@ -1,0 +1,58 @@
+"""The CUDA backward's regimes (csrc/backward/): a warp a row (n <= 1024), a CTA a row
+(n <= 8192), the streaming reduce/apply with the partials folded in the apply blocks
+(<= 16 partials a row) or by the finalize kernel (more), each against the CPU op on the
+same inputs, for the three ops, both directions, fp64 / fp32 / bf16, and across every
+limit (n on both sides of 32, 64, 256, 1024, 4096, 8192)."""
+import pytest
+import torch
+
+import fastlapsum as fl
+from conftest import requires_cuda
+
+F64 = torch.float64
+SIZES = [1, 2, 33, 64, 65, 256, 257, 1024, 1025, 4096, 4097, 8192, 8193, 40000, 700_000]
+OPS = {
+    "soft": lambda x, k, t, largest: fl.soft_topk(x, k, t, largest=largest),
+    "log": lambda x, k, t, largest: fl.log_soft_topk(x, k, t, largest=largest),
+    "threshold": lambda x, k, t, largest: fl.lapsum_threshold(x, k, t, largest=largest),
+}
+
+
+def _problem(n, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    rows = 3 if n <= 40000 else 1
+    x = (torch.randn(rows, n, generator=g, dtype=F64) * 2).to(dtype)
+    if n > 8:
+        x[0, :3] = x[0, 3]  # ties
+    k = (torch.rand(rows, generator=g, dtype=F64) * (n - 0.5) + 0.25).clamp(max=n)
+    t = torch.tensor([0.3, 1.0, 0.05][:rows], dtype=F64)
+    return x, k, t, g
+
+
+def _grads(op, x, k, t, largest, up):
+    xr, kr, tr = (v.clone().requires_grad_(True) for v in (x, k, t))
+    out = OPS[op](xr, kr, tr, largest)
+    return torch.autograd.grad(out, (xr, kr, tr), up.to(out.device, out.dtype))
+
+
+@requires_cuda
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("largest", [True, False])
+def test_cuda_backward_matches_cpu(n, dtype, op, largest):
+    x, k, t, g = _problem(n, dtype, seed=n)
+    shape = (x.shape[0],) if op == "threshold" else x.shape
+    up = torch.randn(shape, generator=g, dtype=F64).to(dtype).double()  # the same on both devices
+    gx, gk, gt = _grads(op, x.cuda(), k.cuda(), t.cuda(), largest, up)
+    # the CPU op on the same (rounded) scores in fp64: the exact closed form
+    cx, ck, ct = _grads(op, x.double(), k, t, largest, up)
+    assert gx.dtype == dtype
+    eps = torch.finfo(dtype).eps if dtype != torch.float64 else 1e-12
+    scale = cx.abs().max().item()
+    tol = 8 * eps * scale if dtype != torch.float64 else 1e-9 * scale
+    assert (gx.double().cpu() - cx).abs().max().item() <= tol + 1e-300
+    g_scale = up.abs().max().item() if op != "threshold" else 1.0
+    rtol, atol = (1e-9, 1e-12) if dtype == torch.float64 else (2e-6, 1e-6 * g_scale)
+    torch.testing.assert_close(gk.cpu(), ck, rtol=rtol, atol=atol)
+    torch.testing.assert_close(gt.cpu(), ct, rtol=rtol, atol=atol)
