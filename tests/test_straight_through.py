@@ -82,17 +82,17 @@ def test_mask_is_topk_selection(device, rows, n, dtype, largest):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,n", SHAPES)
 def test_nan_rows(device, rows, n, dtype):
-    """A NaN score (NaN b) or a budget that is not an integer in [0, n]: a
-    whole NaN row, whatever the selector; the other rows are topk's selection."""
+    """A NaN score (NaN b) or a budget that is not an integer in [0, n]: a whole NaN row,
+    whatever the selector; the other rows are topk's selection."""
     g = torch.Generator().manual_seed(7 * n)
     x = torch.randn(rows, n, generator=g).to(dtype)
     x[0, n // 2] = math.nan  # topk ranks it first; the mask's row is NaN
-    k = torch.full((rows,), float(min(5, n)), dtype=torch.float64)
     x[1, 0] = math.nan  # also among infinite scores
     x[1, 1:] = math.inf
     x[1, n // 2:] = -math.inf
-    t = t_ones(rows, "cpu")
+    k = torch.full((rows,), float(min(5, n)), dtype=torch.float64)
     k[2] = 2.5
+    t = t_ones(rows, "cpu")
     x, k, t = x.to(device), k.to(device), t.to(device)
     p, b, _ = op(x, k, t)
     nan_rows = torch.zeros(rows, dtype=torch.bool)
