@@ -58,9 +58,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cuda(
 // Exact hard top-k (csrc/cuda/topk/topk_cuda.cu); lengths read on the device.
 std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x, int64_t k, bool largest,
                                              bool sorted, const std::optional<at::Tensor>& lengths);
-// hard=true mask on the GPU: exactly round(k_r) ones per row (smaller index wins ties);
-// k float64 [rows] on x's device, a NaN row where k_r is not an integer in [0, n].
-at::Tensor hard_mask_cuda(const at::Tensor& x, const at::Tensor& k, bool largest);
+// hard=true mask on the GPU, as hard_mask_cpu: exactly k_r ones per row (smaller index wins
+// ties); a NaN row where b_r is NaN or k_r is not an integer in [0, n]. Inputs as
+// threshold_io returns them (x floating [rows, n], k and b contiguous float64 [rows] on
+// x's device; b may be undefined: no NaN-row rule from it), not re-checked; the caller
+// holds x's device guard.
+at::Tensor hard_mask_cuda(const at::Tensor& x, const at::Tensor& k, const at::Tensor& b, bool largest);
 #endif
 
 }  // namespace fastlapsum

@@ -1,7 +1,9 @@
 // soft_topk_forward on CUDA: the threshold and the mask in as few passes as the row
 // shape allows. Short rows run the fused on-chip kernel (one read, one write); longer
 // rows solve for b and then write the mask; hard mode takes its mask from the exact
-// selector (../topk/topk_cuda.cu) and still solves b for the backward.
+// selector (../topk/topk_cuda.cu), which also writes the NaN rows of NaN thresholds, and
+// still solves b for the backward. The inputs are checked and made contiguous once
+// (threshold_io); every kernel after that reads them as they are.
 #include <torch/library.h>
 
 #include "../../common/cuda_launch.cuh"
@@ -17,20 +19,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_forward_cuda(
     int64_t mode) {
   TORCH_CHECK(mode >= kModeSoft && mode <= kModeHard, "fastlapsum: mode must be 0 (soft), 1 (log) or 2 (hard)");
   const c10::cuda::CUDAGuard guard(x.device());
-  if (mode != kModeHard && x.dim() == 2 && x.size(1) <= kShortRowMax && method != kMethodBracket) {
-    ThresholdIO io = threshold_io(x, k, t, method);
+  ThresholdIO io = threshold_io(x, k, t, method);
+  if (mode != kModeHard && io.x.size(1) <= kShortRowMax && method != kMethodBracket) {
     at::Tensor p = at::empty_like(io.x);
     if (io.x.size(0) > 0)
       solve_short_rows_cuda(io.x, io.k, io.t, largest, io.b, io.edge, io.diag, &p, mode == kModeLog);
     return {p, io.b, io.diag};
   }
-  auto [b, edge, diag] = lapsum_threshold_cuda(x, k, t, largest, method);
-  at::Tensor p;
-  if (mode == kModeHard)  // a NaN row stays NaN; otherwise exactly k ones
-    p = hard_mask_cuda(x, k, largest).masked_fill_(b.isnan().unsqueeze(1), NAN);
-  else
-    p = lapsum_mask_cuda(x, b, t, edge, largest, mode == kModeLog);
-  return {p, b, diag};
+  solve_rows_cuda(io, largest, method);
+  // hard: a NaN row where b is NaN (row_budget), otherwise exactly k ones
+  at::Tensor p = mode == kModeHard ? hard_mask_cuda(io.x, io.k, io.b, largest)
+                                   : lapsum_mask_cuda(io.x, io.b, io.t, io.edge, largest, mode == kModeLog);
+  return {p, io.b, io.diag};
 }
 
 TORCH_LIBRARY_IMPL(fastlapsum, CUDA, m) { m.impl("soft_topk_forward", &soft_topk_forward_cuda); }

@@ -159,17 +159,21 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
   });
 }
 
+void solve_rows_cuda(ThresholdIO& io, bool largest, int64_t method) {
+  if (io.x.size(0) == 0) return;
+  if (io.x.size(1) <= kShortRowMax && method != kMethodBracket)
+    solve_short_rows_cuda(io.x, io.k, io.t, largest, io.b, io.edge, io.diag, nullptr, false);
+  else
+    solve_long_rows_cuda(io.x, io.k, io.t, largest, method == kMethodSort, io.b, io.edge, io.diag);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cuda(const at::Tensor& x_in,
                                                                      const at::Tensor& k_in,
                                                                      const at::Tensor& t_in,
                                                                      bool largest, int64_t method) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   ThresholdIO io = threshold_io(x_in, k_in, t_in, method);
-  if (io.x.size(0) == 0) return {io.b, io.edge, io.diag};
-  if (io.x.size(1) <= kShortRowMax && method != kMethodBracket)
-    solve_short_rows_cuda(io.x, io.k, io.t, largest, io.b, io.edge, io.diag, nullptr, false);
-  else
-    solve_long_rows_cuda(io.x, io.k, io.t, largest, method == kMethodSort, io.b, io.edge, io.diag);
+  solve_rows_cuda(io, largest, method);
   return {io.b, io.edge, io.diag};
 }
 

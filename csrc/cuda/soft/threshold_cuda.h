@@ -4,6 +4,7 @@
 
 #include <torch/types.h>
 
+#include "../../common/op_io.h"
 #include "../../common/plan.h"
 
 namespace fastlapsum {
@@ -22,5 +23,10 @@ void solve_short_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::T
 // exact radix bracket alone). Writes b, edge and diag.
 void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest,
                           bool sort, at::Tensor& b, at::Tensor& edge, at::Tensor& diag);
+
+// The threshold op's solve on io from threshold_io (checked, contiguous): the short-row
+// solver where the method sorts rows of this length, else the long-row one. Writes io.b,
+// io.edge and io.diag; the caller holds x's device guard.
+void solve_rows_cuda(ThresholdIO& io, bool largest, int64_t method);
 
 }  // namespace fastlapsum

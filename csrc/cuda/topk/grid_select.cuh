@@ -302,12 +302,11 @@ __global__ void __launch_bounds__(kBlock) g_output(Params P) {
   const uint32_t flip = P.flip;
   const int64_t gtid = blockIdx.x * int64_t(kBlock) + threadIdx.x, gthreads = P.bpr * kBlock;
   if (kMask) {
-    T* mrow = static_cast<T*>(P.out_mask) + r * P.n;
-    if (st.trivial) {
-      const T v = static_cast<T>(st.trivial == 2 ? NAN : (st.take == 0 ? 0.0f : 1.0f));
-      for (int64_t i = gtid; i < P.n; i += gthreads) mrow[i] = v;
+    if (st.trivial) {  // 2: row_budget's NaN row
+      mask_row_fill<T>(P, r, st.trivial == 2 ? NAN : (st.take == 0 ? 0.0f : 1.0f), gtid, gthreads);
       return;
     }
+    T* mrow = static_cast<T*>(P.out_mask) + r * P.n;
     const uint64_t prefix = st.prefix;
     const int ks = st.ks;
     for_row<T>(xr, P.n, aligned, blockIdx.x, P.bpr, [&](float v, int64_t i) {

@@ -16,6 +16,7 @@ struct Params {
   int64_t rows, pitch, n, K;
   const int64_t* lengths;  // topk: valid prefix per row (may be null)
   const double* kvec;      // mask: budget per row
+  const double* nan_rows;  // mask: a NaN row where nan_rows[r] is NaN (may be null)
   uint32_t flip;           // 0 (largest) or ~0 (smallest)
   int cap;                 // per-row kernel: smem candidate capacity
   int warp_sort;           // warp-row kernel: sorted output in the kernel (out_comp null)
@@ -31,7 +32,8 @@ struct Params {
   int64_t bpr;       // CTAs per row
 };
 
-// Per-row budget: returns false (and the row is a NaN row) for an invalid mask budget.
+// Per-row budget: returns false (and the row is a NaN row, mask_row_fill) for an invalid
+// mask budget or a row whose nan_rows entry is NaN (the straight-through mask's rule).
 template <bool kMask>
 __device__ __forceinline__ bool row_budget(const Params& P, int64_t r, int64_t& L, int64_t& take) {
   L = P.n;
@@ -42,11 +44,21 @@ __device__ __forceinline__ bool row_budget(const Params& P, int64_t r, int64_t& 
   if (kMask) {
     const double kv = P.kvec[r];
     if (!(kv == rint(kv) && kv >= 0.0 && kv <= static_cast<double>(P.n))) return false;
+    if (P.nan_rows != nullptr && isnan(P.nan_rows[r])) return false;
     take = static_cast<int64_t>(kv);
   } else {
     take = P.K < L ? P.K : L;
   }
   return true;
+}
+
+// A mask row of one value (NaN for a row row_budget rejects, 0 or 1 for take 0 or n),
+// entries tid, tid + nthreads, ...
+template <typename T>
+__device__ __forceinline__ void mask_row_fill(const Params& P, int64_t r, float value, int64_t tid, int64_t nthreads) {
+  T* mrow = static_cast<T*>(P.out_mask) + r * P.n;
+  const T v = static_cast<T>(value);
+  for (int64_t i = tid; i < P.n; i += nthreads) mrow[i] = v;
 }
 
 template <typename T>

@@ -61,13 +61,12 @@ __global__ void __launch_bounds__(kT, 1024 / kT) row_select_kernel(Params P) {
   }
   int64_t L, take;
   if (!row_budget<kMask>(P, r, L, take)) {
-    for (int64_t i = tid; i < P.n; i += kT) mrow[i] = static_cast<T>(NAN);
+    mask_row_fill<T>(P, r, NAN, tid, kT);
     return;
   }
   if (take == 0 || take == L) {  // nothing or everything valid is selected
     if (kMask) {
-      const T v = static_cast<T>(take == 0 ? 0.0f : 1.0f);
-      for (int64_t i = tid; i < P.n; i += kT) mrow[i] = v;
+      mask_row_fill<T>(P, r, take == 0 ? 0.0f : 1.0f, tid, kT);
     } else {
       for (int64_t i = tid; i < L; i += kT) {
         const uint32_t key = float_key(to_float(xr[i])) ^ flip;

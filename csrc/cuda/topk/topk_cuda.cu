@@ -71,7 +71,8 @@
 // Row pitch: any x with stride(1) == 1 is used in place (16-byte vector loads when a
 // row's start is 16-byte aligned, scalar loads otherwise).
 // hard_mask_cuda: the same selectors with a per-row take = k_r (a whole NaN row where
-// k_r is not an integer in [0, n]), the output pass writing the 0/1 mask of the row.
+// k_r is not an integer in [0, n] or the row's threshold b_r is NaN: row_budget), the
+// output pass writing the 0/1 mask of the row.
 //
 // Files, all compiled in this translation unit: warp_select.cuh (path 0), row_select.cuh
 // (path 1), grid_select.cuh (path 2), radix_select.cuh, row_pass.cuh and params.cuh (shared),
@@ -270,14 +271,15 @@ std::tuple<at::Tensor, at::Tensor> topk_fp64(const at::Tensor& x, int64_t k, boo
   return {values, idx};
 }
 
-at::Tensor hard_mask_fp64(const at::Tensor& x, const at::Tensor& k, bool largest) {
+at::Tensor hard_mask_fp64(const at::Tensor& x, const at::Tensor& k, const at::Tensor& b, bool largest) {
   const int64_t n = x.size(1);
   const at::Tensor order = std::get<1>(fp64_keys(x, largest).sort(true, 1, true));
   const at::Tensor ar = at::arange(n, x.options().dtype(at::kLong)).expand_as(order);
   const at::Tensor rank = at::empty_like(order).scatter_(1, order, ar);
   const at::Tensor kr = k.round();
   const at::Tensor keep = rank.lt(kr.view({-1, 1}));
-  const at::Tensor ok = k.eq(kr).logical_and(k.ge(0)).logical_and(k.le(static_cast<double>(n)));
+  at::Tensor ok = k.eq(kr).logical_and(k.ge(0)).logical_and(k.le(static_cast<double>(n)));
+  if (b.defined()) ok = ok.logical_and(b.isnan().logical_not());
   const at::Tensor p = keep.to(x.scalar_type());
   return at::where(ok.view({-1, 1}), p, at::full_like(p, NAN));
 }
@@ -336,17 +338,11 @@ std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k, 
   return {values, indices};
 }
 
-at::Tensor hard_mask_cuda(const at::Tensor& x_in, const at::Tensor& k_in, bool largest) {
-  TORCH_CHECK(x_in.dim() == 2, "fastlapsum.hard_mask: expected x of shape [rows, n]");
-  const c10::cuda::CUDAGuard guard(x_in.device());
+at::Tensor hard_mask_cuda(const at::Tensor& x_in, const at::Tensor& k, const at::Tensor& b, bool largest) {
+  // Inputs as threshold_io leaves them (checked there; the caller holds x's device guard).
   const int64_t rows = x_in.size(0), n = x_in.size(1);
-  TORCH_CHECK(k_in.numel() == rows, "fastlapsum.hard_mask: k needs one value per row");
   TORCH_CHECK(n < 4294967295LL, "fastlapsum.hard_mask: rows longer than 2^32 - 2 are not supported on CUDA");
-  const at::Tensor k = k_in.to(x_in.device(), at::kDouble).contiguous();
-  if (x_in.scalar_type() == at::kDouble) return hard_mask_fp64(x_in.contiguous(), k, largest);
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kHalf ||
-                  x_in.scalar_type() == at::kBFloat16,
-              "fastlapsum.hard_mask: expected a floating-point x");
+  if (x_in.scalar_type() == at::kDouble) return hard_mask_fp64(x_in.contiguous(), k, b, largest);
   const at::Tensor x = rows_view(x_in);
   at::Tensor mask = at::empty({rows, n}, x.options());
   if (mask.numel() == 0) return mask;
@@ -355,6 +351,7 @@ at::Tensor hard_mask_cuda(const at::Tensor& x_in, const at::Tensor& k_in, bool l
   P.n = n;
   P.K = 0;
   P.kvec = k.const_data_ptr<double>();
+  P.nan_rows = b.defined() ? b.const_data_ptr<double>() : nullptr;
   P.flip = largest ? 0u : 0xFFFFFFFFu;
   P.out_mask = nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fastlapsum_hard_mask_cuda", [&] {

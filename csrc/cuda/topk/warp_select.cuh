@@ -164,8 +164,7 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
   const uint32_t flip = P.flip;
   int64_t L64, take64;
   if (!row_budget<kMask>(P, r, L64, take64)) {  // hard_mask: a whole NaN row
-    T* mrow = static_cast<T*>(P.out_mask) + r * P.n;
-    for (int64_t i = lane; i < P.n; i += 32) mrow[i] = static_cast<T>(NAN);
+    mask_row_fill<T>(P, r, NAN, lane, 32);
     return;
   }
   const uint32_t L = static_cast<uint32_t>(L64), take = static_cast<uint32_t>(take64);
@@ -352,8 +351,7 @@ __global__ void __launch_bounds__(TopkTuning::kThreadRowsPerCta) thread_select_k
   const T* xr = static_cast<const T*>(P.x) + r * P.pitch;
   int64_t L64, take64;
   if (!row_budget<kMask>(P, r, L64, take64)) {
-    T* mrow = static_cast<T*>(P.out_mask) + r * P.n;
-    for (int64_t i = 0; i < P.n; ++i) mrow[i] = static_cast<T>(NAN);
+    mask_row_fill<T>(P, r, NAN, 0, 1);
     return;
   }
   const uint32_t L = static_cast<uint32_t>(L64), take = static_cast<uint32_t>(take64);
