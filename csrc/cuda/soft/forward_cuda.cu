@@ -17,11 +17,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_forward_cuda(
     int64_t mode) {
   TORCH_CHECK(mode >= kModeSoft && mode <= kModeHard, "fastlapsum: mode must be 0 (soft), 1 (log) or 2 (hard)");
   const c10::cuda::CUDAGuard guard(x.device());
-  if (mode != kModeHard && x.dim() == 2 && x.size(1) <= kShortRowMax && method != kMethodBracket) {
+  const SoftRegime regime = x.dim() == 2 ? soft_regime_cuda(x.size(1), x.scalar_type(), method) : kSoftLongRows;
+  if (mode != kModeHard && on_chip(regime)) {
     ThresholdIO io = threshold_io(x, k, t, method);
     at::Tensor p = at::empty_like(io.x);
     if (io.x.size(0) > 0)
-      solve_short_rows_cuda(io.x, io.k, io.t, largest, io.b, io.edge, io.diag, &p, mode == kModeLog);
+      solve_short_rows_cuda(io.x, io.k, io.t, largest, regime, io.b, io.edge, io.diag, &p, mode == kModeLog);
     return {p, io.b, io.diag};
   }
   auto [b, edge, diag] = lapsum_threshold_cuda(x, k, t, largest, method);
