@@ -12,10 +12,9 @@ import torch
 import fastlapsum as fl
 from fastlapsum import reference
 
-from conftest import BUDGET_TOL, budget_error, mask_floor, requires_cuda
+from conftest import BUDGET_TOL, DTYPES, P_TOL, budget_error, mask_floor, requires_cuda
 
 F64 = torch.float64
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 EPS64 = torch.finfo(F64).eps
 # The warp regime's largest rows (SoftTuning in csrc/cuda/soft/tuning.cuh) and one past them.
 WARP_ROW_MAX = {torch.float64: 512}
@@ -176,10 +175,6 @@ def test_budget_at_the_infinities(device, n, dtype):
         for largest in (True, False):
             fails = check_against_oracle(x, k, tt, torch.zeros(len(ks), dtype=torch.long), largest)
             assert not fails, "\n".join(fails[:20])
-
-
-# |p_cuda - p_cpu|: both hold b in fp64; the mask is rounded to x's dtype once
-P_TOL = {torch.float64: 1e-11, torch.float32: 3e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def same_or_close(a, b, rtol, atol):
