@@ -31,7 +31,7 @@ class LapSumInfo(NamedTuple):
     path: torch.Tensor  # int64 code, see PATH_NAMES
     middle_size: torch.Tensor  # scores the exact solve ordered (sorted set or middle set)
     attempts: torch.Tensor  # bracket attempts (0 for the sort solver)
-    regime: str = ""  # how the call was mapped onto its device, one of SOFT_REGIME_NAMES
+    regime: str = ""  # how the call was mapped onto its device (SOFT_REGIME_NAMES); "" compiled
 
 
 def _as_int(v, name: str, what: str) -> int:
@@ -253,14 +253,17 @@ def lapsum_diagnostics(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *,
     with torch.no_grad():
         b, _, diag = _ad.lapsum_threshold(rows_x, kk, tt, largest, m)
     info = diag.reshape(*batch, 3)
-    regime = SOFT_REGIME_NAMES[ops.soft_regime(_shape_stub(rows_x.shape, rows_x.dtype, x.device), m)]
+    regime = ("" if torch.compiler.is_compiling() else
+              SOFT_REGIME_NAMES[_regime("soft_regime", rows_x.shape[0], rows_x.shape[1], rows_x.dtype, x.device, m)])
     return LapSumInfo(b.reshape(batch), info[..., 0], info[..., 1], info[..., 2], regime)
 
 
-def _shape_stub(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of this shape, dtype and device holding one element (the regime ops read no
-    data), so that a diagnostic neither copies nor allocates x."""
-    return torch.empty((), dtype=dtype, device=device).expand(shape)
+@torch.compiler.disable
+def _regime(op: str, rows: int, n: int, dtype: torch.dtype, device: torch.device, *args) -> int:
+    """A regime op's answer for x [rows, n] of this dtype and device. The ops read no data, so
+    they get one element expanded to the shape (a diagnostic neither copies nor allocates x).
+    They return an int, which a compiled graph cannot hold: torch.compile runs this eagerly."""
+    return getattr(ops, op)(torch.empty((), dtype=dtype, device=device).expand(rows, n), *args)
 
 
 # torch.topk's dtypes, plus bool. CUDA's selector takes floating rows; integer rows of
@@ -303,7 +306,8 @@ def topk_diagnostics(x: torch.Tensor, k: int, *, dim: int = -1, hard: bool = Fal
     "thread-rows", "warp-rows", "row-cta" (a CTA a row), "grid" (several CTAs a row) or "sort"
     (float64 and int32/int64 rows); "cpu" on the CPU. hard=True: the regime of the exact
     mask of soft_topk(x, k, dim=dim, hard=True) instead. Reads only x's shape, dtype and
-    device; a call with no output element launches nothing."""
+    device; a call with no output element launches nothing. Eager (a graph break under
+    torch.compile)."""
     what = "topk_diagnostics"
     d, k, n = _check_topk(x, k, dim, what)
     if not isinstance(hard, bool):
@@ -314,7 +318,7 @@ def topk_diagnostics(x: torch.Tensor, k: int, *, dim: int = -1, hard: bool = Fal
     dtype = _selector_dtype(x.dtype, x.device)
     if dtype is None:
         return TOPK_REGIME_NAMES[TOPK_SORT]
-    return TOPK_REGIME_NAMES[ops.topk_regime(_shape_stub((rows, n), dtype, x.device), k, hard)]
+    return TOPK_REGIME_NAMES[_regime("topk_regime", rows, n, dtype, x.device, k, hard)]
 
 
 def _check_topk(x, k, dim, what: str, **flags) -> tuple[int, int, int]:

@@ -212,3 +212,12 @@ def test_regime_names_exported():
     assert C.TOPK_REGIME_NAMES[C.TOPK_GRID] == "grid" and C.TOPK_REGIME_NAMES[C.TOPK_CPU] == "cpu"
     assert len(set(C.SOFT_REGIME_NAMES)) == 6 and len(set(C.TOPK_REGIME_NAMES)) == 6
     assert fl.lapsum_diagnostics(torch.randn(2, 5), 1.0).regime in C.SOFT_REGIME_NAMES
+
+
+def test_diagnostics_under_compile():
+    """The regime ops return an int, which a graph cannot hold: compiled, lapsum_diagnostics
+    still traces whole (regime left empty) and topk_diagnostics runs eagerly."""
+    x = torch.randn(3, 10, generator=gen(5))
+    info = torch.compile(lambda x: fl.lapsum_diagnostics(x, 2.0), fullgraph=True, backend="eager")(x)
+    assert info.regime == "" and torch.equal(info.threshold, fl.lapsum_diagnostics(x, 2.0).threshold)
+    assert torch.compile(lambda x: fl.topk_diagnostics(x, 2), backend="eager")(x) == "cpu"
