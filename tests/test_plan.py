@@ -32,7 +32,8 @@ SOFT_CELLS = [
     cell("cuda", 8, "auto", "warp-rows"),  # rows of n <= 8 share a warp
     cell("cuda", 300, "auto", "warp-rows"),
     cell("cuda", 512, "sort", "warp-rows"),
-    cell("cuda", 800, "auto", {F64: "cta-rows", None: "warp-rows"}),
+    cell("cuda", 513, "auto", {F64: "cta-rows", None: "warp-rows"}),
+    cell("cuda", 1024, "auto", {F64: "cta-rows", None: "warp-rows"}),
     cell("cuda", 1025, "auto", "cta-rows"),
     cell("cuda", 4096, "auto", "cta-rows"),
     cell("cuda", 4097, "auto", "long-rows"),

@@ -16,9 +16,6 @@ from conftest import BUDGET_TOL, DTYPES, P_TOL, budget_error, mask_floor, requir
 
 F64 = torch.float64
 EPS64 = torch.finfo(F64).eps
-# The warp regime's largest rows (SoftTuning in csrc/cuda/soft/tuning.cuh) and one past them.
-WARP_ROW_MAX = {torch.float64: 512}
-WARP_ROW_MAX_DEFAULT = 1024
 NS = [1, 2, 3, 8, 9, 16, 17, 31, 32, 33, 64, 100, 255, 256, 257, 512, 513, 1000, 1024, 1025]
 CPU_NS = [1, 9, 33, 257, 1025]  # the sweep on the CPU kernels (the oracle costs most of it)
 TEMPS = [1e-6, 1e-2, 1.0, 1e3]
