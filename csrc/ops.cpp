@@ -3,14 +3,15 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <iterator>
 #include <utility>
 
 #include "common/plan.h"
 #include "ops.h"
 
 // An importable module, so that `import fastlapsum._C` loads the op library; it also carries
-// the constants Python needs (the plan's crossover, the diagnostics' path codes), so that they
-// are never copied by hand.
+// the constants Python needs (the plan's crossover, the diagnostics' path codes, the regime
+// names indexed by code), so that they are never copied by hand.
 extern "C" PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   PyObject* m = PyModule_Create(&module_def);
@@ -21,12 +22,40 @@ extern "C" PyObject* PyInit__C(void) {
       {"PATH_BRACKET_RETRY", fastlapsum::kPathBracketRetry}, {"PATH_RADIX", fastlapsum::kPathRadix},
       {"METHOD_AUTO", fastlapsum::kMethodAuto},       {"METHOD_SORT", fastlapsum::kMethodSort},
       {"METHOD_BRACKET", fastlapsum::kMethodBracket}, {"MODE_SOFT", fastlapsum::kModeSoft},
-      {"MODE_LOG", fastlapsum::kModeLog},             {"MODE_HARD", fastlapsum::kModeHard}};
+      {"MODE_LOG", fastlapsum::kModeLog},             {"MODE_HARD", fastlapsum::kModeHard},
+      {"SOFT_CPU_SORT", fastlapsum::kSoftCpuSort},    {"SOFT_CPU_BRACKET", fastlapsum::kSoftCpuBracket},
+      {"SOFT_WARP_ROWS", fastlapsum::kSoftWarpRows},  {"SOFT_CTA_ROWS", fastlapsum::kSoftCtaRows},
+      {"SOFT_LONG_ROWS", fastlapsum::kSoftLongRows},  {"SOFT_RADIX_ROWS", fastlapsum::kSoftRadixRows},
+      {"TOPK_THREAD_ROWS", fastlapsum::kTopkThreadRows}, {"TOPK_WARP_ROWS", fastlapsum::kTopkWarpRows},
+      {"TOPK_ROW_CTA", fastlapsum::kTopkRowCta},      {"TOPK_GRID", fastlapsum::kTopkGrid},
+      {"TOPK_SORT", fastlapsum::kTopkSort},           {"TOPK_CPU", fastlapsum::kTopkCpu}};
   for (const auto& [name, value] : constants)
     if (PyModule_AddIntConstant(m, name, static_cast<long>(value)) != 0) {
       Py_DECREF(m);
       return nullptr;
     }
+  const auto add_names = [m](const char* name, const char* const* names, Py_ssize_t count) {
+    PyObject* tuple = PyTuple_New(count);
+    if (tuple == nullptr) return false;
+    for (Py_ssize_t i = 0; i < count; ++i) {
+      PyObject* s = PyUnicode_FromString(names[i]);
+      if (s == nullptr) {
+        Py_DECREF(tuple);
+        return false;
+      }
+      PyTuple_SET_ITEM(tuple, i, s);
+    }
+    if (PyModule_AddObject(m, name, tuple) != 0) {
+      Py_DECREF(tuple);
+      return false;
+    }
+    return true;
+  };
+  if (!add_names("SOFT_REGIME_NAMES", fastlapsum::kSoftRegimeNames, std::size(fastlapsum::kSoftRegimeNames)) ||
+      !add_names("TOPK_REGIME_NAMES", fastlapsum::kTopkRegimeNames, std::size(fastlapsum::kTopkRegimeNames))) {
+    Py_DECREF(m);
+    return nullptr;
+  }
   return m;
 }
 
@@ -46,7 +75,23 @@ TORCH_LIBRARY(fastlapsum, m) {
         " -> (Tensor, Tensor, Tensor)");
   // -> (values, indices); indices -1 (values -inf / +inf) past a row's valid length
   m.def("topk(Tensor x, int k, bool largest, bool sorted, Tensor? lengths) -> (Tensor, Tensor)");
+  // The regime (plan.h: SoftRegime, TopkRegime) that lapsum_threshold / soft_topk_forward, or
+  // topk (hard_mask: the straight-through hard mask), would take for x; reads only x's shape,
+  // dtype and device, never its data.
+  m.def("soft_regime(Tensor x, int method) -> int");
+  m.def("topk_regime(Tensor x, int k, bool hard_mask) -> int");
 }
+
+namespace {
+
+int64_t soft_regime_cpu_op(const at::Tensor& x, int64_t method) {
+  TORCH_CHECK(x.dim() == 2, "fastlapsum.soft_regime: expected x of shape [rows, n]");
+  TORCH_CHECK(method >= fastlapsum::kMethodAuto && method <= fastlapsum::kMethodBracket,
+              "fastlapsum: method must be 0 (auto), 1 (sort) or 2 (bracket)");
+  return fastlapsum::soft_regime_cpu(x.size(1), method);
+}
+
+}  // namespace
 
 TORCH_LIBRARY_IMPL(fastlapsum, CPU, m) {
   m.impl("lapsum_threshold", &fastlapsum::lapsum_threshold_cpu);
@@ -55,4 +100,5 @@ TORCH_LIBRARY_IMPL(fastlapsum, CPU, m) {
   m.impl("soft_topk_backward", &fastlapsum::soft_topk_backward_cpu);
   m.impl("lapsum_threshold_backward", &fastlapsum::lapsum_threshold_backward_cpu);
   m.impl("topk", &fastlapsum::topk_cpu);
+  m.impl("soft_regime", &soft_regime_cpu_op);
 }

@@ -14,10 +14,13 @@ from ._ops import METHODS, MODE_HARD, MODE_LOG, MODE_SOFT, ops
 Number = Union[int, float]
 Budget = Union[Number, torch.Tensor]
 
-__all__ = ["soft_topk", "log_soft_topk", "lapsum_threshold", "lapsum_diagnostics", "topk", "LapSumInfo"]
+__all__ = ["soft_topk", "log_soft_topk", "lapsum_threshold", "lapsum_diagnostics", "topk", "topk_diagnostics",
+           "LapSumInfo"]
 
-# Solver paths reported by lapsum_diagnostics, and the plan's crossover (csrc/common/plan.h).
+# Solver paths reported by lapsum_diagnostics, the plan's crossover and the regime names by
+# code (csrc/common/plan.h).
 from ._C import AUTO_SORT_MAX_N, PATH_BRACKET, PATH_BRACKET_RETRY, PATH_DIRECT, PATH_RADIX, PATH_SORT  # noqa: E402
+from ._C import SOFT_REGIME_NAMES, TOPK_REGIME_NAMES, TOPK_SORT  # noqa: E402
 PATH_NAMES = ("direct", "sort", "bracket", "bracket-retry", "radix-fallback")
 
 
@@ -28,6 +31,7 @@ class LapSumInfo(NamedTuple):
     path: torch.Tensor  # int64 code, see PATH_NAMES
     middle_size: torch.Tensor  # scores the exact solve ordered (sorted set or middle set)
     attempts: torch.Tensor  # bracket attempts (0 for the sort solver)
+    regime: str = ""  # how the call was mapped onto its device (SOFT_REGIME_NAMES); "" compiled
 
 
 def _as_int(v, name: str, what: str) -> int:
@@ -249,7 +253,17 @@ def lapsum_diagnostics(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *,
     with torch.no_grad():
         b, _, diag = _ad.lapsum_threshold(rows_x, kk, tt, largest, m)
     info = diag.reshape(*batch, 3)
-    return LapSumInfo(b.reshape(batch), info[..., 0], info[..., 1], info[..., 2])
+    regime = ("" if torch.compiler.is_compiling() else
+              SOFT_REGIME_NAMES[_regime("soft_regime", rows_x.shape[0], rows_x.shape[1], rows_x.dtype, x.device, m)])
+    return LapSumInfo(b.reshape(batch), info[..., 0], info[..., 1], info[..., 2], regime)
+
+
+@torch.compiler.disable
+def _regime(op: str, rows: int, n: int, dtype: torch.dtype, device: torch.device, *args) -> int:
+    """A regime op's answer for x [rows, n] of this dtype and device. The ops read no data, so
+    they get one element expanded to the shape (a diagnostic neither copies nor allocates x).
+    They return an int, which a compiled graph cannot hold: torch.compile runs this eagerly."""
+    return getattr(ops, op)(torch.empty((), dtype=dtype, device=device).expand(rows, n), *args)
 
 
 # torch.topk's dtypes, plus bool. CUDA's selector takes floating rows; integer rows of
@@ -273,18 +287,7 @@ def topk(x: torch.Tensor, k: int, *, dim: int = -1, largest: bool = True, sorted
     torch.topk. values are differentiable.
     """
     what = "topk"
-    _check_tensor(x, what)
-    if x.dtype not in _TOPK_DTYPES:
-        raise TypeError(f"{what}: x must be a floating-point, integer (uint8 to int64) or bool tensor, "
-                        f"got {x.dtype}")
-    d = _check_dim(x, dim, what)
-    k = _as_int(k, "k", what)
-    for name, v in (("largest", largest), ("sorted", sorted)):
-        if not isinstance(v, bool):
-            raise TypeError(f"{what}: {name} must be a bool, got {type(v).__name__}")
-    n = x.shape[d] if x.dim() else 1
-    if not 0 <= k <= n:
-        raise ValueError(f"{what}: k must be in [0, n] = [0, {n}], got {k}")
+    d, k, n = _check_topk(x, k, dim, what, largest=largest, sorted=sorted)
     if x.dim() == 0:  # as torch.topk: the element itself (also for k = 0), 0-d
         v, i = topk(x.reshape(1), 1, largest=largest, sorted=sorted, lengths=lengths)
         return torch.return_types.topk((v.reshape(()), i.reshape(())))
@@ -296,6 +299,43 @@ def topk(x: torch.Tensor, k: int, *, dim: int = -1, largest: bool = True, sorted
     rows_x, _ = _as_rows(x, d)
     values, indices = _select_rows(rows_x, k, largest, sorted, len_rows)
     return torch.return_types.topk((_from_rows(values, batch, d), _from_rows(indices, batch, d)))
+
+
+def topk_diagnostics(x: torch.Tensor, k: int, *, dim: int = -1, hard: bool = False) -> str:
+    """The regime (TOPK_REGIME_NAMES) that topk(x, k, dim=dim) takes on x's device: on CUDA
+    "thread-rows", "warp-rows", "row-cta" (a CTA a row), "grid" (several CTAs a row) or "sort"
+    (float64 and int32/int64 rows); "cpu" on the CPU. hard=True: the regime of the exact
+    mask of soft_topk(x, k, dim=dim, hard=True) instead. Reads only x's shape, dtype and
+    device; a call with no output element launches nothing. Eager (a graph break under
+    torch.compile)."""
+    what = "topk_diagnostics"
+    d, k, n = _check_topk(x, k, dim, what)
+    if not isinstance(hard, bool):
+        raise TypeError(f"{what}: hard must be a bool, got {type(hard).__name__}")
+    if hard and not x.is_floating_point():
+        raise TypeError(f"{what}: hard=True takes float16, bfloat16, float32 or float64 x, got {x.dtype}")
+    rows = math.prod(x.shape[:d] + x.shape[d + 1:]) if x.dim() else 1
+    dtype = _selector_dtype(x.dtype, x.device)
+    if dtype is None:
+        return TOPK_REGIME_NAMES[TOPK_SORT]
+    return TOPK_REGIME_NAMES[_regime("topk_regime", rows, n, dtype, x.device, k, hard)]
+
+
+def _check_topk(x, k, dim, what: str, **flags) -> tuple[int, int, int]:
+    """topk's arguments checked as torch.topk checks them -> (dim in [0, x.dim()), k, n)."""
+    _check_tensor(x, what)
+    if x.dtype not in _TOPK_DTYPES:
+        raise TypeError(f"{what}: x must be a floating-point, integer (uint8 to int64) or bool tensor, "
+                        f"got {x.dtype}")
+    d = _check_dim(x, dim, what)
+    k = _as_int(k, "k", what)
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise TypeError(f"{what}: {name} must be a bool, got {type(v).__name__}")
+    n = x.shape[d] if x.dim() else 1
+    if not 0 <= k <= n:
+        raise ValueError(f"{what}: k must be in [0, n] = [0, {n}], got {k}")
+    return d, k, n
 
 
 def _topk_lengths(lengths, x: torch.Tensor, batch, n: int) -> Optional[torch.Tensor]:
@@ -327,13 +367,23 @@ def _select_rows(rows_x: torch.Tensor, k: int, largest: bool, sorted: bool,
     int32/int64 rows take a stable sort (O(n log n), torch.sort's cost)."""
     if rows_x.is_floating_point():
         return _ad.topk(rows_x, k, largest, sorted, len_rows)
-    if rows_x.device.type != "cuda":
+    dtype = _selector_dtype(rows_x.dtype, rows_x.device)
+    if dtype == rows_x.dtype:
         return ops.topk(rows_x, k, largest, sorted, len_rows)
-    if rows_x.dtype in _EXACT_IN_FP32:
-        indices = ops.topk(rows_x.float(), k, largest, sorted, len_rows)[1]
+    if dtype is not None:
+        indices = ops.topk(rows_x.to(dtype), k, largest, sorted, len_rows)[1]
     else:
         indices = _topk_indices_by_sort(rows_x, k, largest, len_rows)
     return _gather_padded(rows_x, indices, largest), indices
+
+
+def _selector_dtype(dtype: torch.dtype, device: torch.device) -> Optional[torch.dtype]:
+    """The dtype in which topk's kernel selects rows of `dtype` (shared by topk and
+    topk_diagnostics): its own for floating rows and on the CPU; on CUDA float32 for narrow
+    integer rows (exact), none for int32/int64 rows (they take a stable sort)."""
+    if dtype.is_floating_point or device.type != "cuda":
+        return dtype
+    return torch.float32 if dtype in _EXACT_IN_FP32 else None
 
 
 def _worst_int(dtype: torch.dtype, largest: bool) -> Union[int, bool]:

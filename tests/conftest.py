@@ -4,6 +4,7 @@ Tolerance rule (flash-attention's): a kernel's error against the float64 oracle 
 a small multiple of what a same-precision PyTorch computation gets against it.
 """
 import importlib.util
+import math
 import os
 import sys
 
@@ -15,9 +16,21 @@ import fastlapsum
 CUDA = torch.cuda.is_available() and fastlapsum.has_cuda_kernels()
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and the CUDA build")
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
-# fp64 budget bound |sum p - k| / max(k, 1) and fp32 bound (DESIGN §1.2)
+# budget bound |sum p - k| / max(k, 1) (DESIGN §1.2; fp16/bf16 after rounding p)
 BUDGET_TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# |p_cuda - p_cpu|: both hold b in fp64; the mask is rounded to x's dtype once
+P_TOL = {torch.float64: 1e-11, torch.float32: 3e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# gradients, CUDA against the CPU
+G_TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}
+
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
 
 
 def budget_error(p: torch.Tensor, k, dim=-1) -> torch.Tensor:
@@ -77,3 +90,76 @@ def load_example(example: str, name: str):
             if os.path.dirname(os.path.abspath(origin)) == os.path.abspath(folder):
                 del sys.modules[key]
     return mod
+
+
+# ---- exact top-k ---------------------------------------------------------------------
+
+def order_key(x: torch.Tensor, largest: bool = True) -> torch.Tensor:
+    """int64 key with key(a) > key(b) iff a ranks before b (ties equal, -0 == +0, NaN above
+    +inf as in torch.topk; integers exactly; for largest=False the order is reversed)."""
+    if x.is_floating_point():
+        d = x.double() + 0.0  # -0.0 -> +0.0
+        bits = d.view(torch.int64)
+        key = torch.where(bits < 0, bits ^ INT64_MAX, bits)
+        key = torch.where(d.isnan(), torch.full_like(key, INT64_MAX), key)
+    else:
+        key = x.to(torch.int64)
+    return key if largest else ~key
+
+
+def topk_oracle(x, k, dim=-1, largest=True):
+    """Top-k by a stable sort of exact keys: best first, the smaller index first among ties."""
+    idx = order_key(x, largest).sort(dim=dim, descending=True, stable=True).indices.narrow(dim, 0, k)
+    return x.gather(dim, idx), idx
+
+
+def assert_exact_topk(x, k, values, indices, *, largest=True, lengths=None, sorted=False):
+    """DESIGN §2 exactness for x [rows, n] (selection dim last): the K indices of a row are
+    distinct and valid (< L_r), the smallest selected score is >= the largest unselected
+    valid score (NaN ranking above +inf), values == x.gather(indices), and rows with
+    L_r <= K end in -1 padding with values -inf (+inf for largest=False)."""
+    rows, n = x.shape
+    assert indices.dtype == torch.int64
+    assert values.dtype == x.dtype
+    assert tuple(indices.shape) == (rows, k) and tuple(values.shape) == (rows, k)
+    assert values.device == x.device and indices.device == x.device
+    x, values, indices = x.cpu(), values.cpu(), indices.cpu()
+    L = torch.full((rows,), n, dtype=torch.int64) if lengths is None else lengths.cpu().to(torch.int64).reshape(rows)
+    take = L.clamp(max=k)
+    pos = torch.arange(k)[None, :]
+    slot_valid = pos < take[:, None]  # slots that must hold a real index
+
+    # padding: exactly the slots past min(k, L_r), index -1, value -inf (+inf if smallest)
+    pad_val = -math.inf if largest else math.inf
+    assert bool((indices[~slot_valid] == -1).all()), "padding slots must hold index -1"
+    assert bool((values[~slot_valid].double() == pad_val).all()), f"padding values must be {pad_val}"
+
+    # valid and distinct
+    real = indices[slot_valid]
+    assert bool((real >= 0).all()), "a slot before min(k, L_r) holds -1 or a negative index"
+    row_of = torch.arange(rows)[:, None].expand(rows, k)[slot_valid]
+    assert bool((real < L[row_of]).all()), "an index at or past the row's valid length was selected"
+    cnt = torch.zeros(rows, n + 1, dtype=torch.int64)
+    cnt.scatter_add_(1, torch.where(slot_valid, indices, n), torch.ones_like(indices))
+    assert n == 0 or int(cnt[:, :n].max()) <= 1, "an index was selected twice"
+    assert torch.equal(cnt[:, :n].sum(1), take)
+
+    # values are the selected scores, bit for bit (NaN included)
+    got = x.gather(1, indices.clamp(min=0))
+    torch.testing.assert_close(values[slot_valid], got[slot_valid], rtol=0, atol=0, equal_nan=True)
+
+    # min selected >= max unselected among the valid prefix
+    key = order_key(x, largest)
+    sel = cnt[:, :n] == 1
+    valid = torch.arange(n)[None, :] < L[:, None]
+    min_sel = torch.where(sel, key, torch.full_like(key, INT64_MAX)).min(1).values
+    max_uns = torch.where(valid & ~sel, key, torch.full_like(key, INT64_MIN)).max(1).values
+    bad = (min_sel < max_uns).nonzero().flatten()
+    assert bad.numel() == 0, (
+        f"rows {bad[:5].tolist()}: an unselected valid score ranks above a selected one "
+        f"(e.g. row {int(bad[0])}: selected {values[bad[0]].tolist()[:8]}...)")
+
+    if sorted:
+        vk = order_key(values, largest)
+        ok = (vk[:, 1:] <= vk[:, :-1]) | ~slot_valid[:, 1:]
+        assert bool(ok.all()), "sorted=True must give values best first"

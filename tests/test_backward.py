@@ -9,17 +9,15 @@ import torch
 import fastlapsum as fl
 from fastlapsum import reference
 
+from conftest import gen
+
 F64 = torch.float64
 INF, NAN = math.inf, math.nan
 
 
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
 def separated_scores(rows, n, seed, spacing=0.7, device="cpu"):
     """Shuffled, well-separated fp64 scores (finite differences stay on one branch)."""
-    g = _gen(seed)
+    g = gen(seed)
     base = torch.arange(n, dtype=F64) * spacing
     out = []
     for _ in range(rows):
@@ -137,7 +135,7 @@ def implicit_torch_soft_topk(x, k, t, largest=True):
 
 
 def _random_problem(device, dtype=F64, rows=3, n=1000, seed=5):
-    g = _gen(seed)
+    g = gen(seed)
     x = (torch.randn(rows, n, generator=g, dtype=F64) * torch.tensor([[1.0], [3.0], [0.2]], dtype=F64)).to(dtype)
     k = torch.tensor([17.3, 500.0, 990.5], dtype=F64)
     t = torch.tensor([0.5, 1.0, 0.05], dtype=F64)
@@ -272,7 +270,7 @@ def hard_reference(x, k, largest=True):
 @pytest.mark.parametrize("largest", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_hard_forward_exact_k_ones_with_ties(device, dtype, largest):
-    g = _gen(10)
+    g = gen(10)
     x = torch.randint(0, 6, (4, 300), generator=g).to(dtype)  # heavy ties everywhere
     x[3] = 2.0  # one row all tied
     for k in [0, 1, 37, 150, 299, 300]:
@@ -373,7 +371,7 @@ def test_infinite_threshold_rows_have_zero_gradient(device):
     x = torch.tensor([[INF, INF, 0.5, -1.0], [0.2, 1.0, -0.3, 2.0]], dtype=F64, device=device)
     k = torch.tensor([1.0, 4.0], dtype=F64, device=device)
     t = torch.tensor([0.5, 0.5], dtype=F64, device=device)
-    up = torch.randn(2, 4, generator=_gen(17), dtype=F64).to(device)
+    up = torch.randn(2, 4, generator=gen(17), dtype=F64).to(device)
     for fn in (fl.soft_topk, fl.log_soft_topk):
         xr, kr, tr = (v.clone().requires_grad_(True) for v in (x, k, t))
         gx, gk, gt = torch.autograd.grad(fn(xr, kr, tr), (xr, kr, tr), up)
@@ -382,13 +380,13 @@ def test_infinite_threshold_rows_have_zero_gradient(device):
 
 @pytest.mark.parametrize("op", ["soft", "log", "threshold"])
 def test_nan_row_gives_nan_gradient_only_there(device, op):
-    x = torch.randn(3, 50, generator=_gen(12), dtype=F64)
+    x = torch.randn(3, 50, generator=gen(12), dtype=F64)
     x[1, 7] = NAN
     x = x.to(device)
     k = torch.tensor([5.5, 5.5, 30.0], dtype=F64, device=device)
     t = torch.tensor([0.5, 0.5, 2.0], dtype=F64, device=device)
     fn = {"soft": fl.soft_topk, "log": fl.log_soft_topk, "threshold": fl.lapsum_threshold}[op]
-    up = torch.randn(3, 50, generator=_gen(13), dtype=F64).to(device) if op != "threshold" else \
+    up = torch.randn(3, 50, generator=gen(13), dtype=F64).to(device) if op != "threshold" else \
         torch.tensor([1.0, 1.0, -0.5], dtype=F64, device=device)
     xr, kr, tr = (v.clone().requires_grad_(True) for v in (x, k, t))
     gx, gk, gt = torch.autograd.grad(fn(xr, kr, tr), (xr, kr, tr), up)
@@ -408,11 +406,11 @@ def test_nan_row_gives_nan_gradient_only_there(device, op):
 
 @pytest.mark.parametrize("hard", [False, True])
 def test_module_equals_functional(device, hard):
-    x = torch.randn(4, 64, 3, generator=_gen(14), dtype=F64).to(device)
+    x = torch.randn(4, 64, 3, generator=gen(14), dtype=F64).to(device)
     k_param = torch.nn.Parameter(torch.tensor([[5.0, 9.0, 20.0]] * 4, dtype=F64, device=device))
     t = 0.4
     mod = fl.SoftTopK(k_param, t, dim=1, hard=hard)
-    up = torch.randn(4, 64, 3, generator=_gen(15), dtype=F64).to(device)
+    up = torch.randn(4, 64, 3, generator=gen(15), dtype=F64).to(device)
 
     xa = x.clone().requires_grad_(True)
     pa = mod(xa)
@@ -431,7 +429,7 @@ def test_module_equals_functional(device, hard):
 
 
 def test_module_schedule_and_largest(device):
-    x = torch.randn(2, 100, generator=_gen(16)).to(device)
+    x = torch.randn(2, 100, generator=gen(16)).to(device)
     mod = fl.SoftTopK(10, 1.0, largest=False)
     torch.testing.assert_close(mod(x), fl.soft_topk(x, 10, 1.0, largest=False), rtol=0, atol=0)
     mod.k, mod.temperature = 25.5, 0.1  # a schedule changes the attributes between steps

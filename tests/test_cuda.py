@@ -10,8 +10,7 @@ import torch
 
 import fastlapsum
 
-from conftest import BUDGET_TOL, budget_error, requires_cuda
-from test_hard_topk import assert_exact_topk
+from conftest import BUDGET_TOL, DTYPES, G_TOL, P_TOL, assert_exact_topk, budget_error, gen, requires_cuda
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks"))
 from timing import capture_graph  # noqa: E402  (benchmarks/timing.py)
@@ -20,14 +19,6 @@ pytestmark = requires_cuda
 
 ops = torch.ops.fastlapsum
 F64 = torch.float64
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-# |p_cuda - p_cpu|: both hold b in fp64; the mask is rounded to x's dtype once
-P_TOL = {torch.float64: 1e-11, torch.float32: 3e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-G_TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}
-
-
-def gen(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 def adversarial_rows(n=4096, seed=0):

@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 import fastlapsum
 
+from conftest import BUDGET_TOL, gen
+
 WORLD = 3
 TIMEOUT_S = 30
-# |sum p - k| / max(k, 1) of the single-process ops (DESIGN §1.2; fp16/bf16 after rounding p)
-BUDGET_TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 
@@ -52,12 +52,8 @@ def _local(xg: torch.Tensor, sizes: list, dim: int = -1, rank=None) -> torch.Ten
     return xg.narrow(dim, sum(sizes[:r]), sizes[r])
 
 
-def _gen(seed: int):
-    return torch.Generator().manual_seed(seed)
-
-
 def _rows(R: int, n: int, seed: int, dtype=torch.float64, kind="normal") -> torch.Tensor:
-    g = _gen(seed)
+    g = gen(seed)
     x = torch.randn(R, n, generator=g, dtype=torch.float64)
     if kind == "ties":
         x = torch.round(x * 2)
@@ -224,8 +220,8 @@ def check_soft_hard():
 def _grad_case(xg, k, t, sizes, *, largest, mode):
     import fastlapsum.distributed as fd
 
-    g = torch.randn(xg.shape, generator=_gen(7), dtype=torch.float64)
-    gb = torch.randn(xg.shape[:-1], generator=_gen(8), dtype=torch.float64)
+    g = torch.randn(xg.shape, generator=gen(7), dtype=torch.float64)
+    gb = torch.randn(xg.shape[:-1], generator=gen(8), dtype=torch.float64)
     outs = []
     for sharded in (True, False):
         x = (_local(xg, sizes) if sharded else xg).clone().requires_grad_(True)
@@ -298,7 +294,7 @@ def check_topk_gradient():
     xg = _rows(2, 30, 12)
     sizes = _sizes(30, "ragged")
     x = _local(xg, sizes).clone().requires_grad_(True)
-    w = torch.randn(2, 6, generator=_gen(13), dtype=torch.float64)
+    w = torch.randn(2, 6, generator=gen(13), dtype=torch.float64)
     (fd.topk(x, 6).values * w).sum().backward()
     xr = xg.clone().requires_grad_(True)
     (fastlapsum.topk(xr, 6, sorted=True).values * w).sum().backward()
@@ -356,7 +352,7 @@ def check_dtensor():
     p = fd.soft_topk(xd, k, 0.5)
     assert p.placements == (Shard(1),)
     _close(p.full_tensor(), fastlapsum.soft_topk(xg, k, 0.5), 1e-11, what="dtensor mask")
-    g = torch.randn(3, 20, generator=_gen(17), dtype=torch.float64)
+    g = torch.randn(3, 20, generator=gen(17), dtype=torch.float64)
     (p * distribute_tensor(g, mesh, [Shard(1)])).sum().backward()
     xr = xg.clone().requires_grad_(True)
     (fastlapsum.soft_topk(xr, k, 0.5) * g).sum().backward()

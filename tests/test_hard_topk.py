@@ -12,70 +12,7 @@ import torch
 
 import fastlapsum
 
-INT64_MAX = 2**63 - 1
-INT64_MIN = -(2**63)
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-
-
-# ---- the criterion -----------------------------------------------------------------
-
-def order_key(x: torch.Tensor, largest: bool = True) -> torch.Tensor:
-    """int64 key with key(a) > key(b) iff a ranks before b (ties equal, -0 == +0, NaN
-    above +inf as in torch.topk; for largest=False the order is reversed, NaN last)."""
-    d = x.double() + 0.0  # -0.0 -> +0.0
-    bits = d.view(torch.int64)
-    key = torch.where(bits < 0, bits ^ INT64_MAX, bits)
-    key = torch.where(d.isnan(), torch.full_like(key, INT64_MAX), key)
-    return key if largest else -key
-
-
-def assert_exact_topk(x, k, values, indices, *, largest=True, lengths=None, sorted=False):
-    """DESIGN §2 exactness for x [rows, n] (selection dim last)."""
-    rows, n = x.shape
-    assert indices.dtype == torch.int64
-    assert values.dtype == x.dtype
-    assert tuple(indices.shape) == (rows, k) and tuple(values.shape) == (rows, k)
-    assert values.device == x.device and indices.device == x.device
-    x, values, indices = x.cpu(), values.cpu(), indices.cpu()
-    L = torch.full((rows,), n, dtype=torch.int64) if lengths is None else lengths.cpu().to(torch.int64).reshape(rows)
-    take = L.clamp(max=k)
-    pos = torch.arange(k)[None, :]
-    slot_valid = pos < take[:, None]  # slots that must hold a real index
-
-    # padding: exactly the slots past min(k, L_r), index -1, value -inf (+inf if smallest)
-    pad_val = -math.inf if largest else math.inf
-    assert bool((indices[~slot_valid] == -1).all()), "padding slots must hold index -1"
-    assert bool((values[~slot_valid].double() == pad_val).all()), f"padding values must be {pad_val}"
-
-    # valid and distinct
-    real = indices[slot_valid]
-    assert bool((real >= 0).all()), "a slot before min(k, L_r) holds -1 or a negative index"
-    row_of = torch.arange(rows)[:, None].expand(rows, k)[slot_valid]
-    assert bool((real < L[row_of]).all()), "an index at or past the row's valid length was selected"
-    cnt = torch.zeros(rows, n + 1, dtype=torch.int64)
-    cnt.scatter_add_(1, torch.where(slot_valid, indices, n), torch.ones_like(indices))
-    assert n == 0 or int(cnt[:, :n].max()) <= 1, "an index was selected twice"
-    assert torch.equal(cnt[:, :n].sum(1), take)
-
-    # values are the selected scores, bit for bit (NaN included)
-    got = x.gather(1, indices.clamp(min=0))
-    torch.testing.assert_close(values[slot_valid], got[slot_valid], rtol=0, atol=0, equal_nan=True)
-
-    # min selected >= max unselected among the valid prefix
-    key = order_key(x, largest)
-    sel = cnt[:, :n] == 1
-    valid = torch.arange(n)[None, :] < L[:, None]
-    min_sel = torch.where(sel, key, torch.full_like(key, INT64_MAX)).min(1).values
-    max_uns = torch.where(valid & ~sel, key, torch.full_like(key, INT64_MIN)).max(1).values
-    bad = (min_sel < max_uns).nonzero().flatten()
-    assert bad.numel() == 0, (
-        f"rows {bad[:5].tolist()}: an unselected valid score ranks above a selected one "
-        f"(e.g. row {int(bad[0])}: selected {values[bad[0]].tolist()[:8]}...)")
-
-    if sorted:
-        vk = order_key(values, largest)
-        ok = (vk[:, 1:] <= vk[:, :-1]) | ~slot_valid[:, 1:]
-        assert bool(ok.all()), "sorted=True must give values best first"
+from conftest import DTYPES, assert_exact_topk, gen, order_key
 
 
 def run_and_check(x, k, *, largest=True, lengths=None, sorted=False, dim=-1):
@@ -88,10 +25,6 @@ def run_and_check(x, k, *, largest=True, lengths=None, sorted=False, dim=-1):
     lr = None if lengths is None else lengths.broadcast_to(batch).reshape(-1)
     assert_exact_topk(xr.reshape(-1, xr.shape[-1]), k, vr, ir, largest=largest, lengths=lr, sorted=sorted)
     return values, indices
-
-
-def gen(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 def randn(shape, dtype, device, seed=0):

@@ -21,8 +21,7 @@ import pytest
 import torch
 
 import fastlapsum
-from conftest import requires_cuda
-from test_hard_topk import assert_exact_topk
+from conftest import assert_exact_topk, gen, requires_cuda
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks"))
 from timing import capture_graph  # noqa: E402  (benchmarks/timing.py)
@@ -30,10 +29,6 @@ from timing import capture_graph  # noqa: E402  (benchmarks/timing.py)
 pytestmark = requires_cuda
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
-
-
-def gen(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 def check(x, k, *, largest=True, lengths=None):

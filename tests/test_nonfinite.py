@@ -21,10 +21,9 @@ import torch
 import fastlapsum as fl
 from fastlapsum.reference import lapsum_threshold_reference, soft_topk_reference
 
-from conftest import BUDGET_TOL, budget_error
+from conftest import BUDGET_TOL, DTYPES, budget_error
 
 INF = math.inf
-DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 METHODS = ["auto", "sort", "bracket"]
 
 

@@ -11,15 +11,11 @@ import torch
 
 import fastlapsum as fl
 from fastlapsum import reference
-from conftest import requires_cuda
+from conftest import gen, requires_cuda
 
 F64 = torch.float64
 INF = math.inf
 LOW = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 def _times_exp(x, y):
@@ -99,7 +95,7 @@ def threshold_oracle(s, b, t, gb):
 def saturated_problem(n, t, spread, seed, dtype=F64):
     """Rows of one length with per-row k in {0.3, 1, 2.5, n/2, n-1, n-0.2, random}, scores
     spread times N(0, 1) around an offset (exact in dtype), tiny or per-row t."""
-    g = _gen(seed)
+    g = gen(seed)
     ks = [0.3, 1.0, 2.5, n / 2, n - 1.0, n - 0.2, torch.rand(1, generator=g).item() * n]
     ks = [k for k in ks if 0 < k < n]
     rows = len(ks)
@@ -181,7 +177,7 @@ def _assert_close_to_truth(got, truth, up, db, t, dtype, precise):
 def test_saturated_rows_match_float64_truth(device, case, dtype, op, largest):
     x, k, t, up = _problem(case, dtype)
     if op == "threshold":
-        up = torch.randn(len(k), generator=_gen(100 + case), dtype=F64)
+        up = torch.randn(len(k), generator=gen(100 + case), dtype=F64)
     got = _run(op, x, k, t, up, largest, device)
     truth = _truth(op, x, k, t, up, largest)
     assert not got[0].isnan().any() and not got[1].isnan().any() and torch.isfinite(got[2]).all()
@@ -200,7 +196,7 @@ def test_cuda_matches_cpu_at_saturation(case, dtype, op):
     (fp64 rows: to fp64's), with the oracle's scales for the terms."""
     x, k, t, up = _problem(case, dtype)
     if op == "threshold":
-        up = torch.randn(len(k), generator=_gen(100 + case), dtype=F64)
+        up = torch.randn(len(k), generator=gen(100 + case), dtype=F64)
     cpu = _run(op, x, k, t, up, True, "cpu")
     cuda = _run(op, x, k, t, up, True, "cuda")
     truth = _truth(op, x, k, t, up, True)
@@ -241,7 +237,7 @@ def test_oracle_matches_mpmath(case, op):
     """The float64 oracle itself, against exact-enough arithmetic on the definitions (mpmath,
     when installed) on saturated rows."""
     x, k, t, up = _problem(case, F64)
-    gb = torch.randn(len(k), generator=_gen(100 + case), dtype=F64)
+    gb = torch.randn(len(k), generator=gen(100 + case), dtype=F64)
     g = gb if op == "threshold" else up
     b, _ = reference.lapsum_threshold_reference(x, k, t)
     gs, gk, gt, scale_t, scale_x = _truth(op, x, k, t, g, True)[:5]
@@ -256,7 +252,7 @@ def test_oracle_matches_mpmath(case, op):
 def test_oracle_matches_reference_where_nothing_underflows():
     """Unsaturated rows: the oracle is fastlapsum.reference's closed form (mask; the log
     mask as the mask's VJP of g / p)."""
-    g = _gen(7)
+    g = gen(7)
     x = torch.randn(3, 40, generator=g, dtype=F64)
     k = torch.tensor([3.5, 20.0, 36.2], dtype=F64)
     t = torch.tensor([0.3, 1.0, 2.0], dtype=F64)
@@ -278,8 +274,8 @@ def test_log_mask_saturated_row(device, dtype):
     """A row of 100 N(0, 1) scores, t = 0.1, k = 1: the nearest score sits 955 t from b, so
     every fp64 weight underflows. d L/dt of <g, log p> is finite (mpmath: -30236.0...) and
     d L/dk = sum_{below} g / W overflows to -inf (docs/GRADIENTS.md)."""
-    x = (torch.randn(1, 10, generator=_gen(18), dtype=F64) * 100).to(dtype).to(device)
-    g = torch.randn(1, 10, generator=_gen(1), dtype=F64).to(dtype).to(device)
+    x = (torch.randn(1, 10, generator=gen(18), dtype=F64) * 100).to(dtype).to(device)
+    g = torch.randn(1, 10, generator=gen(1), dtype=F64).to(dtype).to(device)
     k = torch.tensor([1.0], dtype=F64, device=device)
     t = torch.tensor([0.1], dtype=F64, device=device)
     gx, gk, gt = _run("log", x, k, t, g, True, device)
@@ -297,7 +293,7 @@ def test_long_saturated_rows(device, op):
     rescales the sums so far): the online rescaling across parts and merges. The oracle
     takes the op's own threshold (the reference's sort is slow on long rows)."""
     n = 40_000
-    g = _gen(21)
+    g = gen(21)
     near_last = torch.linspace(0.0, 50.0, n, dtype=F64) + torch.rand(n, generator=g, dtype=F64) * 1e-3
     spread = torch.randn(n, generator=g, dtype=F64) * 3e4
     x = torch.stack([near_last, spread])

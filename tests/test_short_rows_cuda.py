@@ -12,14 +12,10 @@ import torch
 import fastlapsum as fl
 from fastlapsum import reference
 
-from conftest import BUDGET_TOL, budget_error, mask_floor, requires_cuda
+from conftest import BUDGET_TOL, DTYPES, P_TOL, budget_error, mask_floor, requires_cuda
 
 F64 = torch.float64
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 EPS64 = torch.finfo(F64).eps
-# The warp regime's largest rows (SoftTuning in csrc/cuda/soft/tuning.cuh) and one past them.
-WARP_ROW_MAX = {torch.float64: 512}
-WARP_ROW_MAX_DEFAULT = 1024
 NS = [1, 2, 3, 8, 9, 16, 17, 31, 32, 33, 64, 100, 255, 256, 257, 512, 513, 1000, 1024, 1025]
 CPU_NS = [1, 9, 33, 257, 1025]  # the sweep on the CPU kernels (the oracle costs most of it)
 TEMPS = [1e-6, 1e-2, 1.0, 1e3]
@@ -176,10 +172,6 @@ def test_budget_at_the_infinities(device, n, dtype):
         for largest in (True, False):
             fails = check_against_oracle(x, k, tt, torch.zeros(len(ks), dtype=torch.long), largest)
             assert not fails, "\n".join(fails[:20])
-
-
-# |p_cuda - p_cpu|: both hold b in fp64; the mask is rounded to x's dtype once
-P_TOL = {torch.float64: 1e-11, torch.float32: 3e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def same_or_close(a, b, rtol, atol):

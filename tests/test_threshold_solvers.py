@@ -15,13 +15,11 @@ import torch
 import fastlapsum as fl
 from fastlapsum import reference
 
-from conftest import BUDGET_TOL, DEVICES, budget_error, mask_floor
+from conftest import BUDGET_TOL, DEVICES, budget_error, gen, mask_floor
 
 EPS64 = torch.finfo(torch.float64).eps
 INF = math.inf
 M32 = 0xFFFFFFFF
-
-
 
 
 # ---------------------------------------------------------------------------------
@@ -66,16 +64,12 @@ def test_sample_geometry_matches_the_rule():
 # adversarial rows
 
 
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
 def periodic_row(n, row, huge_at_sample_phase, k_frac=None, seed=0):
     """Gaussian row plus one huge value per period, period = the sampling stride; the
     huge value sits at the sampled phase (the sample sees only huge values) or just
     after it (the sample sees none of them)."""
     _, stride, offset, _ = sample_geometry(n, row)
-    x = torch.randn(n, generator=_gen(seed), dtype=torch.float64)
+    x = torch.randn(n, generator=gen(seed), dtype=torch.float64)
     phase = offset if huge_at_sample_phase else (offset + 1) % stride
     idx = torch.arange(n)
     return torch.where(idx % stride == phase, 1e6 + x, x), stride
@@ -84,7 +78,7 @@ def periodic_row(n, row, huge_at_sample_phase, k_frac=None, seed=0):
 def adversarial_rows():
     """name -> (1-d float64 row, list of (k, t)). n between 20000 and 50000."""
     n = 30000
-    g = _gen(1)
+    g = gen(1)
     rows = {}
     gauss = torch.randn(n, generator=g, dtype=torch.float64)
     rows["gaussian"] = gauss
@@ -231,7 +225,7 @@ CPU_SOLVER_CHOICE = ["cpu"]
 @pytest.mark.parametrize("method", ["bracket", "auto"])
 def test_gaussian_row_takes_the_bracket_first_try(device, method):
     n = 50000
-    x = torch.randn(n, generator=_gen(20)).to(device)
+    x = torch.randn(n, generator=gen(20)).to(device)
     # the middle set is a slice of the row, not the row: with m = 1357 samples and
     # z = 5.16 the bracket spans about +-7% of the noised sample at k = n/2 (measured
     # 19% of the row at t = 1), far less away from the median
@@ -245,7 +239,7 @@ def test_gaussian_row_takes_the_bracket_first_try(device, method):
 
 @pytest.mark.parametrize("device", BRACKET_DEVICES)
 def test_batch_of_gaussian_rows_bracket_each_row(device):
-    x = torch.randn(8, 40000, generator=_gen(21)).to(device)
+    x = torch.randn(8, 40000, generator=gen(21)).to(device)
     info = fl.lapsum_diagnostics(x, 2500.0, 0.5, method="bracket")
     assert info.path.shape == (8,)
     assert (info.path == fl.PATH_BRACKET).all() and (info.attempts == 1).all()
@@ -258,7 +252,7 @@ def test_auto_switches_solver_at_the_crossover(device):
     AUTO_SORT_MAX_N scores, bracket longer ones, decided on the row length (infinities
     count: the host decides without reading the row)."""
     c = fl.functional.AUTO_SORT_MAX_N
-    x = torch.randn(c + 1000, generator=_gen(22)).to(device)
+    x = torch.randn(c + 1000, generator=gen(22)).to(device)
     for n, path in [(c, fl.PATH_SORT), (c + 1, fl.PATH_BRACKET), (c + 1000, fl.PATH_BRACKET)]:
         info = fl.lapsum_diagnostics(x[:n], 100.5, 1.0, method="auto")
         assert info.path.item() == path, (n, fl.PATH_NAMES[info.path.item()])
@@ -267,7 +261,7 @@ def test_auto_switches_solver_at_the_crossover(device):
         else:
             assert info.attempts.item() == 1
     # a long row with 1500 -inf scores is still bracketed (over its finite scores)
-    y = torch.randn(c + 500, generator=_gen(23))
+    y = torch.randn(c + 500, generator=gen(23))
     y[:1500] = -INF
     info = fl.lapsum_diagnostics(y.to(device), 100.0, 1.0, method="auto")
     assert info.path.item() == fl.PATH_BRACKET
@@ -316,7 +310,7 @@ def radix_rows():
     """Rows (n = 1e5) whose certified bracket holds a tie block too big to gather, so
     the radix fallback runs; with the (k, t) for which that was measured to happen."""
     n = 100000
-    g = _gen(40)
+    g = gen(40)
     gauss = torch.randn(n, generator=g, dtype=torch.float64)
     mostly_const = torch.where(torch.rand(n, generator=g) < 0.7, torch.full_like(gauss, 0.25), gauss)
     two_level = (torch.rand(n, generator=g) < 0.5).double() * 1e-3
@@ -408,7 +402,7 @@ def test_periodic_row_missed_huge_values_retry(device):
 
 @pytest.mark.parametrize("device", CPU_SOLVER_CHOICE)
 def test_sort_method_reports_sort(device):
-    x = torch.randn(3, 30000, generator=_gen(26), dtype=torch.float64)
+    x = torch.randn(3, 30000, generator=gen(26), dtype=torch.float64)
     x[1, :10] = INF
     x[2, :10] = -INF
     info = fl.lapsum_diagnostics(x.to(device), 100.0, 1.0, method="sort")
@@ -422,7 +416,7 @@ def test_sort_method_reports_sort(device):
 @pytest.mark.parametrize("method", ["auto", "sort", "bracket"])
 def test_direct_path_for_trivial_budgets(device, method):
     n = 40000
-    x = torch.randn(n, generator=_gen(27), dtype=torch.float64)
+    x = torch.randn(n, generator=gen(27), dtype=torch.float64)
     for k in [0.0, float(n)]:
         info = fl.lapsum_diagnostics(x.to(device), k, 1.0, method=method)
         assert info.path.item() == fl.PATH_DIRECT and info.attempts.item() == 0
@@ -441,7 +435,7 @@ def test_direct_path_for_trivial_budgets(device, method):
 
 
 def test_diagnostics_threshold_equals_lapsum_threshold(device):
-    x = torch.randn(2, 3, 20000, generator=_gen(28)).to(device)
+    x = torch.randn(2, 3, 20000, generator=gen(28)).to(device)
     k = torch.tensor([[5.0, 600.5, 19999.0], [1e-3, 10000.0, 2.0]], dtype=torch.float64, device=device)
     info = fl.lapsum_diagnostics(x, k, 0.3, method="bracket")
     assert info.threshold.shape == (2, 3) and info.path.shape == (2, 3)
@@ -463,7 +457,7 @@ def num_threads(n):
 
 
 def _determinism_inputs(device):
-    x = torch.randn(3, 100000, generator=_gen(29))  # > 1 part of 32768 per row
+    x = torch.randn(3, 100000, generator=gen(29))  # > 1 part of 32768 per row
     x[1] = x[1].round()  # ties
     x[2, ::7] = -INF
     k = torch.tensor([6250.0, 33333.7, 1e-3], dtype=torch.float64)

@@ -11,30 +11,10 @@ import torch
 import fastlapsum
 from fastlapsum import functional as F
 
-INT64_MAX = 2**63 - 1
-FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+from conftest import DTYPES as FLOATS
+from conftest import gen, topk_oracle
+
 INTS = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
-
-
-def gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
-def order_key(x: torch.Tensor) -> torch.Tensor:
-    """int64 key in the order of x (NaN above +inf, -0 == +0); integers exactly."""
-    if not x.is_floating_point():
-        return x.to(torch.int64)
-    d = x.double() + 0.0
-    bits = d.view(torch.int64)
-    key = torch.where(bits < 0, bits ^ INT64_MAX, bits)
-    return torch.where(d.isnan(), torch.full_like(key, INT64_MAX), key)
-
-
-def oracle(x, k, dim=-1, largest=True):
-    """Top-k by a stable sort of exact keys: best first, the smaller index first among ties."""
-    key = order_key(x)
-    idx = (key if largest else ~key).sort(dim=dim, descending=True, stable=True).indices.narrow(dim, 0, k)
-    return x.gather(dim, idx), idx
 
 
 def assert_same(got, want):
@@ -69,9 +49,9 @@ def test_random_3d_every_dim_and_transposes(device, dtype):
                     got = fastlapsum.topk(t, k, dim=dim, largest=largest, sorted=True)
                     ref = torch.topk(t, k, dim=dim, largest=largest, sorted=True)
                     torch.testing.assert_close(got.values, ref.values, rtol=0, atol=0)
-                    assert_same(got, oracle(t, k, dim, largest))
+                    assert_same(got, topk_oracle(t, k, dim, largest))
                     assert_same_set(t, fastlapsum.topk(t, k, dim=dim, largest=largest),
-                                    oracle(t, k, dim, largest), dim)
+                                    topk_oracle(t, k, dim, largest), dim)
 
 
 @pytest.mark.parametrize("dtype", INTS)
@@ -86,8 +66,8 @@ def test_integral_full_range(device, dtype):
             got = fastlapsum.topk(x, k, largest=largest, sorted=True)
             torch.testing.assert_close(got.values, torch.topk(x, k, largest=largest).values, rtol=0, atol=0)
             assert got.values.dtype == dtype and got.indices.dtype == torch.int64
-            assert_same(got, oracle(x, k, largest=largest))
-            assert_same_set(x, fastlapsum.topk(x, k, largest=largest), oracle(x, k, largest=largest), -1)
+            assert_same(got, topk_oracle(x, k, largest=largest))
+            assert_same_set(x, fastlapsum.topk(x, k, largest=largest), topk_oracle(x, k, largest=largest), -1)
 
 
 @pytest.mark.parametrize("dtype", INTS + [torch.bool])
@@ -97,8 +77,8 @@ def test_integral_ties_smaller_index_wins(device, dtype):
     x = random_ints((5, 2049), torch.int64, 2, 0, high).to(dtype).to(device)
     for largest in (True, False):
         for k in (1, 700, 1500):
-            assert_same(fastlapsum.topk(x, k, largest=largest, sorted=True), oracle(x, k, largest=largest))
-            assert_same_set(x, fastlapsum.topk(x, k, largest=largest), oracle(x, k, largest=largest), -1)
+            assert_same(fastlapsum.topk(x, k, largest=largest, sorted=True), topk_oracle(x, k, largest=largest))
+            assert_same_set(x, fastlapsum.topk(x, k, largest=largest), topk_oracle(x, k, largest=largest), -1)
 
 
 def test_int64_beyond_float64_precision(device):
@@ -292,7 +272,7 @@ def test_integer_lengths_padding(device, dtype):
         got = fastlapsum.topk(x, 5, largest=largest, sorted=True, lengths=lengths)
         for r, n in enumerate(lengths.tolist()):
             take = min(n, 5)
-            v, i = oracle(x[r, :n], take, largest=largest)
+            v, i = topk_oracle(x[r, :n], take, largest=largest)
             assert got.indices[r].tolist() == i.tolist() + [-1] * (5 - take)
             assert got.values[r].tolist() == v.tolist() + [pad] * (5 - take)
 

@@ -4,6 +4,12 @@
 // (benchmarks/bench_auto_crossover.py: the bracket wins by ~2x from 4096 scores on, the
 // sort below 2048) and is where the CUDA on-chip solver's row fits one CTA. It is decided on
 // the row length alone, so that the host knows it without reading the row.
+//
+// The regimes below name how a call is mapped onto its device. Each device's dispatch
+// computes its regime with one function (soft: soft_regime_cpu here, soft_regime_cuda in
+// cuda/soft/threshold_cuda.h; topk: topk_regime in cuda/topk/topk_cuda.cu), which the regime
+// ops (soft_regime, topk_regime) also return, so that the diagnostics cannot drift from the
+// dispatch. Codes index the name tables, which the extension exports to Python.
 #pragma once
 
 #include <cstdint>
@@ -19,5 +25,32 @@ constexpr int64_t kAutoSortMaxN = 4096;
 inline bool plan_sorts(int64_t n, int64_t method) {
   return method == kMethodSort || (method == kMethodAuto && n <= kAutoSortMaxN);
 }
+
+// lapsum_threshold / soft_topk / log_soft_topk.
+enum SoftRegime : int64_t {
+  kSoftCpuSort = 0,     // CPU, the sort solver per row
+  kSoftCpuBracket = 1,  // CPU, the certified bracket per row
+  kSoftWarpRows = 2,    // CUDA, sorted on chip, a warp (or part of one) per row
+  kSoftCtaRows = 3,     // CUDA, sorted on chip, a CTA per row
+  kSoftLongRows = 4,    // CUDA, the certified bracket's launch sequence
+  kSoftRadixRows = 5,   // CUDA, method "sort" on a row too long for the chip: the radix bracket alone
+};
+constexpr const char* kSoftRegimeNames[] = {"cpu-sort", "cpu-bracket", "warp-rows",
+                                            "cta-rows", "long-rows",   "radix-rows"};
+
+inline SoftRegime soft_regime_cpu(int64_t n, int64_t method) {
+  return plan_sorts(n, method) ? kSoftCpuSort : kSoftCpuBracket;
+}
+
+// fastlapsum.topk and the straight-through hard mask.
+enum TopkRegime : int64_t {
+  kTopkThreadRows = 0,  // CUDA, a thread per row
+  kTopkWarpRows = 1,    // CUDA, a warp per row
+  kTopkRowCta = 2,      // CUDA, a CTA per row
+  kTopkGrid = 3,        // CUDA, several CTAs per row (few long rows)
+  kTopkSort = 4,        // CUDA, a stable sort of order keys (float64, and int32/int64 rows)
+  kTopkCpu = 5,         // CPU, std::nth_element per row
+};
+constexpr const char* kTopkRegimeNames[] = {"thread-rows", "warp-rows", "row-cta", "grid", "sort", "cpu"};
 
 }  // namespace fastlapsum

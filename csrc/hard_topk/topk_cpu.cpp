@@ -3,6 +3,7 @@
 // lowest / highest value for integers (false / true for bool).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 #include <torch/types.h>
 
 #include <limits>
@@ -10,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../common/plan.h"
 #include "../ops.h"
 #include "select_cpu.h"
 
@@ -64,5 +66,18 @@ std::tuple<at::Tensor, at::Tensor> topk_cpu(const at::Tensor& x_in, int64_t k, b
   });
   return {values, indices};
 }
+
+namespace {
+
+// The topk_regime op on the CPU: every call selects per row with std::nth_element.
+int64_t topk_regime_cpu(const at::Tensor& x, int64_t k, bool hard_mask) {
+  TORCH_CHECK(x.dim() == 2, "fastlapsum.topk_regime: expected x of shape [rows, n]");
+  TORCH_CHECK(hard_mask || (k >= 0 && k <= x.size(1)), "fastlapsum.topk: k must be in [0, n]");
+  return kTopkCpu;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastlapsum, CPU, m) { m.impl("topk_regime", &topk_regime_cpu); }
 
 }  // namespace fastlapsum

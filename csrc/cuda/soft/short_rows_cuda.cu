@@ -1,6 +1,6 @@
 // Short rows on chip: the whole sort solver of DESIGN §1.1 and, for the forward op, the
 // mask in the same kernel (one read of the row to solve, one re-read from L1/L2 and one
-// write for the mask). Tiny rows (use_warp_rows) run a warp per row, the row in registers
+// write for the mask). Tiny rows (kSoftWarpRows) run a warp per row, the row in registers
 // (warp_rows.cuh); the others a CTA per row (sorted_solve.cuh).
 //
 // In the CTA kernel, one census of the row (non-finite counts, which key bits vary, the
@@ -156,13 +156,9 @@ warp_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in
   write_mask<scalar_t, kItems, kLanes>(row, p_out + r * n, n, sign, b, t, edge, log_mode, lane);
 }
 
-// The regime of a batch of short rows: a warp per row where the row fits a warp's registers
-// (SoftTuning), else a CTA per row.
+// The warp regime (soft_regime_cuda, threshold_cuda.h) holds rows of at most warp_row_max.
 static_assert(SoftTuning::warp_row_max(false) <= 32 * 32 && SoftTuning::warp_row_max(true) <= 32 * 32,
               "warp_rows walks a lane's keys a lane each: at most 32 keys a lane");
-bool use_warp_rows(int64_t rows, int64_t n, at::ScalarType dtype) {
-  return rows > 0 && n <= SoftTuning::warp_row_max(dtype == at::kDouble);
-}
 
 // The warp kernel with the fewest lanes, then the fewest keys a lane, that hold the row (a
 // power of two: the bitonic network): rows of n <= 8 or 16 share a warp (from
@@ -180,10 +176,11 @@ void launch_warp_rows(int64_t n, const Launch& launch) {
 }  // namespace
 
 void solve_short_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest,
-                           at::Tensor& b, at::Tensor& edge, at::Tensor& diag, at::Tensor* p,
+                           SoftRegime regime, at::Tensor& b, at::Tensor& edge, at::Tensor& diag, at::Tensor* p,
                            bool log_mode) {
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(n <= kShortRowMax, "fastlapsum: internal: row too long for the on-chip solver");
+  TORCH_CHECK(on_chip(regime) && regime == soft_regime_cuda(n, x.scalar_type(), kMethodSort),
+              "fastlapsum: internal: not a regime of the on-chip solver");
   if (rows == 0) return;
   const double sign = largest ? 1.0 : -1.0;
   const cudaStream_t stream = current_stream();
@@ -195,7 +192,7 @@ void solve_short_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::T
           b.mutable_data_ptr<double>(), edge.mutable_data_ptr<double>(), diag.mutable_data_ptr<int64_t>(), pp,
           log_mode, n, sign);
     };
-    if (use_warp_rows(rows, n, x.scalar_type())) {
+    if (regime == kSoftWarpRows) {
       const auto warp_launch = [&](auto kernel, int rows_per_warp) {
         const int64_t per_cta = SoftTuning::kWarpRowsPerCta * rows_per_warp;
         launch_dependent(kernel, static_cast<unsigned>((rows + per_cta - 1) / per_cta), SoftTuning::kWarpRowsPerCta * 32,

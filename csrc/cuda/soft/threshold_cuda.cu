@@ -161,10 +161,11 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
 
 void solve_rows_cuda(ThresholdIO& io, bool largest, int64_t method) {
   if (io.x.size(0) == 0) return;
-  if (io.x.size(1) <= kShortRowMax && method != kMethodBracket)
-    solve_short_rows_cuda(io.x, io.k, io.t, largest, io.b, io.edge, io.diag, nullptr, false);
+  const SoftRegime regime = soft_regime_cuda(io.x.size(1), io.x.scalar_type(), method);
+  if (on_chip(regime))
+    solve_short_rows_cuda(io.x, io.k, io.t, largest, regime, io.b, io.edge, io.diag, nullptr, false);
   else
-    solve_long_rows_cuda(io.x, io.k, io.t, largest, method == kMethodSort, io.b, io.edge, io.diag);
+    solve_long_rows_cuda(io.x, io.k, io.t, largest, regime == kSoftRadixRows, io.b, io.edge, io.diag);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cuda(const at::Tensor& x_in,
@@ -177,7 +178,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cuda(const at::T
   return {io.b, io.edge, io.diag};
 }
 
-TORCH_LIBRARY_IMPL(fastlapsum, CUDA, m) { m.impl("lapsum_threshold", &lapsum_threshold_cuda); }
+namespace {
+
+int64_t soft_regime_cuda_op(const at::Tensor& x, int64_t method) {
+  TORCH_CHECK(x.dim() == 2, "fastlapsum.soft_regime: expected x of shape [rows, n]");
+  TORCH_CHECK(method >= kMethodAuto && method <= kMethodBracket,
+              "fastlapsum: method must be 0 (auto), 1 (sort) or 2 (bracket)");
+  return soft_regime_cuda(x.size(1), x.scalar_type(), method);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastlapsum, CUDA, m) {
+  m.impl("lapsum_threshold", &lapsum_threshold_cuda);
+  m.impl("soft_regime", &soft_regime_cuda_op);
+}
 
 }  // namespace fastlapsum
 

@@ -6,17 +6,30 @@
 
 #include "../../common/op_io.h"
 #include "../../common/plan.h"
+#include "tuning.cuh"
 
 namespace fastlapsum {
 
 // Rows that the plan sorts are solved on chip (short_rows_cuda.cu).
 constexpr int64_t kShortRowMax = kAutoSortMaxN;
 
-// The sort solver of DESIGN §1.1 for rows of n <= kShortRowMax: sort in shared memory,
-// closed-form scan as a block-wide parallel scan. Writes b, edge and diag; when p is
-// given, also the soft (or log) mask in the same kernel.
+// The CUDA regime of rows of n scores, decided here only (the threshold op, the fused forward
+// and the soft_regime op): rows the plan sorts run on chip, a warp per row where the row fits
+// a warp's registers (SoftTuning), else a CTA per row; the others the certified bracket, or
+// for method "sort" on rows too long for the chip the exact radix bracket alone.
+inline SoftRegime soft_regime_cuda(int64_t n, at::ScalarType dtype, int64_t method) {
+  if (!plan_sorts(n, method)) return kSoftLongRows;
+  if (n > kShortRowMax) return kSoftRadixRows;
+  return n <= SoftTuning::warp_row_max(dtype == at::kDouble) ? kSoftWarpRows : kSoftCtaRows;
+}
+inline bool on_chip(SoftRegime regime) { return regime == kSoftWarpRows || regime == kSoftCtaRows; }
+
+// The sort solver of DESIGN §1.1 for rows of n <= kShortRowMax in an on-chip regime
+// (kSoftWarpRows: sort in registers, kSoftCtaRows: in shared memory; closed-form scan as a
+// parallel scan). Writes b, edge and diag; when p is given, also the soft (or log) mask in
+// the same kernel.
 void solve_short_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest,
-                           at::Tensor& b, at::Tensor& edge, at::Tensor& diag, at::Tensor* p,
+                           SoftRegime regime, at::Tensor& b, at::Tensor& edge, at::Tensor& diag, at::Tensor* p,
                            bool log_mode);
 
 // The certified sample bracket of DESIGN §1.2 for rows of any length (sort=true: the

@@ -15,10 +15,11 @@
 // result is (prefix, ks): an element is selected iff (c >> ks) >= (prefix >> ks), which
 // holds for exactly `take` elements.
 //
-// Paths (chosen on the host from static shapes only; everything data-dependent is
-// decided on the device, so no host sync, fixed launch sequence, graph-capturable):
+// Paths (chosen on the host by topk_regime_for, from static shapes only; everything
+// data-dependent is decided on the device, so no host sync, fixed launch sequence,
+// graph-capturable):
 //
-// 0. Tiny rows, n <= 2048 (use_warp_rows; MoE routers): the warp-row kernel
+// 0. Tiny rows, n <= 2048 (topk_regime_for; MoE routers): the warp-row kernel
 //    (warp_select_kernel, warp_select.cuh), one warp a row, four rows a CTA, the row's keys
 //    in registers, a bisection for the take-th key by warp reductions, the output in index
 //    order by warp scans; sorted=True with K <= 64 is sorted in the same kernel (one launch).
@@ -48,7 +49,7 @@
 //    (64 KiB for K = 2048) in dynamic shared memory, at most 5632 for the 256-thread CTAs;
 //    hard_mask uses cap = 8192.
 // 2. Grid path (g_* kernels), for few long rows (rows <= 64 and n >= 2^16, where its cost
-//    estimate beats the per-row kernel's: use_grid_path): every row
+//    estimate beats the per-row kernel's: use_grid_path, in topk_regime_for): every row
 //    gets `bpr` CTAs (blockIdx.x; the rows share one full wave of resident CTAs, where
 //    4 per SM made collect 1.33 waves) so a single row of 10^8 scores uses the whole GPU.
 //    Fixed sequence of launches: init, sample histogram a, scan, sample histogram b,
@@ -92,6 +93,7 @@
 
 #include "../../common/cuda_launch.cuh"
 #include "../../common/lapsum_math.h"
+#include "../../common/plan.h"
 #include "../../common/tile_scan.cuh"
 #include "../../ops.h"
 #include "tuning.cuh"
@@ -136,13 +138,52 @@ bool use_grid_path(int64_t rows, int64_t n, int64_t K) {
   return grid_us < row_us;
 }
 
-// Tiny rows (MoE routers): the warp-row kernel, whatever the row count and budget (a CTA of
-// 256-512 threads on a row of at most 2048 scores idles most of them, and its select's
-// barriers and 2048-bin histograms cost more than a warp's register search).
-bool use_warp_rows(int64_t /*rows*/, int64_t n, int64_t /*K*/) { return n <= TopkTuning::kWarpMaxN; }
+// The mapping of a [rows, n] call with budget K (0 for the mask), decided here only: the
+// dispatch below and the topk_regime op both call it. Tiny rows (MoE routers): a thread a row
+// for n <= kThreadMaxN, else the warp-row kernel up to kWarpMaxN, whatever the row count and
+// budget (a CTA of 256-512 threads on a row of at most 2048 scores idles most of them, and
+// its select's barriers and 2048-bin histograms cost more than a warp's register search);
+// then the grid path where use_grid_path picks it; else a CTA a row.
+template <typename T, bool kMask>
+TopkRegime topk_regime_for(int64_t rows, int64_t n, int64_t K) {
+  if (n <= TopkTuning::kThreadMaxN) return kTopkThreadRows;
+  if (n <= TopkTuning::kWarpMaxN) return kTopkWarpRows;
+  return use_grid_path<T, kMask>(rows, n, K) ? kTopkGrid : kTopkRowCta;
+}
+
+// The dtypes of the CUDA selectors (integer rows are routed by fastlapsum/functional.py).
+bool selector_dtype(at::ScalarType d) {
+  return d == at::kDouble || d == at::kFloat || d == at::kHalf || d == at::kBFloat16;
+}
+
+// The regime for a selector_dtype (float64: the ATen sort path).
+TopkRegime topk_regime(int64_t rows, int64_t n, int64_t K, at::ScalarType dtype, bool mask) {
+  if (dtype == at::kDouble) return kTopkSort;
+  TopkRegime regime = kTopkRowCta;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fastlapsum_topk_regime", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>)
+      regime = mask ? topk_regime_for<scalar_t, true>(rows, n, K) : topk_regime_for<scalar_t, false>(rows, n, K);
+  });
+  return regime;
+}
+
+// A thread a row (ranks by pairwise compares), rows of at most kThreadMaxN scores.
+template <typename T, bool kMask>
+void launch_thread_rows(Params P, int64_t rows) {
+  constexpr int kT = TopkTuning::kThreadRowsPerCta;
+  TORCH_CHECK(P.n <= TopkTuning::kThreadMaxN && (rows + kT - 1) / kT <= 2147483647LL,
+              "fastlapsum.topk: shape out of range of the thread-row kernel");
+  P.rows = rows;
+  const auto go = [&](auto kernel) {
+    launch_dependent(kernel, static_cast<unsigned>((rows + kT - 1) / kT), kT, 0, current_stream(), P);
+  };
+  if (P.n <= 8) return go(thread_select_kernel<T, kMask, 8>);
+  if (P.n <= 16) return go(thread_select_kernel<T, kMask, 16>);
+  go(thread_select_kernel<T, kMask, TopkTuning::kThreadMaxN>);
+}
 
 // The warp-row kernel, instantiated for kC = 1, 2, 4, ... chunks of 32 vectors a lane: the
-// smallest that covers the row; rows of at most 32 scores a thread each.
+// smallest that covers the row.
 template <typename T, bool kMask>
 void launch_warp_rows(Params P, int64_t rows) {
   constexpr int V = 16 / sizeof(T), kMaxC = TopkTuning::kWarpMaxItems / V, kRows = TopkTuning::kWarpRows;
@@ -150,15 +191,6 @@ void launch_warp_rows(Params P, int64_t rows) {
   TORCH_CHECK(chunks <= kMaxC && (rows + kRows - 1) / kRows <= 2147483647LL,
               "fastlapsum.topk: shape out of range of the warp-row kernel");
   P.rows = rows;
-  if (P.n <= TopkTuning::kThreadMaxN) {  // a thread a row
-    constexpr int kT = TopkTuning::kThreadRowsPerCta;
-    const auto go = [&](auto kernel) {
-      launch_dependent(kernel, static_cast<unsigned>((rows + kT - 1) / kT), kT, 0, current_stream(), P);
-    };
-    if (P.n <= 8) return go(thread_select_kernel<T, kMask, 8>);
-    if (P.n <= 16) return go(thread_select_kernel<T, kMask, 16>);
-    return go(thread_select_kernel<T, kMask, TopkTuning::kThreadMaxN>);
-  }
   const auto go = [&](auto kernel) {
     launch_dependent(kernel, static_cast<unsigned>((rows + kRows - 1) / kRows), kRows * 32, 0, current_stream(), P);
   };
@@ -180,11 +212,13 @@ at::Tensor rows_view(const at::Tensor& x) {
 }
 
 template <typename T, bool kMask>
-void launch(Params P, int64_t rows, const at::Tensor& x) {
+void launch(Params P, int64_t rows, const at::Tensor& x, TopkRegime regime) {
   const cudaStream_t stream = current_stream();
   if (rows == 0) return;
-  if (use_warp_rows(rows, P.n, P.K)) return launch_warp_rows<T, kMask>(P, rows);
-  if (use_grid_path<T, kMask>(rows, P.n, P.K)) {
+  TORCH_CHECK((regime == topk_regime_for<T, kMask>(rows, P.n, P.K)), "fastlapsum.topk: internal: regime mismatch");
+  if (regime == kTopkThreadRows) return launch_thread_rows<T, kMask>(P, rows);
+  if (regime == kTopkWarpRows) return launch_warp_rows<T, kMask>(P, rows);
+  if (regime == kTopkGrid) {
     const int sms = sm_count();  // x's device: the caller holds its guard
     const int stage_bytes = kStageItems * 8;
     set_max_dynamic_smem(g_collect<T, kMask>, stage_bytes, x.get_device());
@@ -299,19 +333,19 @@ std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k, 
     TORCH_CHECK(lengths->numel() == rows, "fastlapsum.topk: lengths needs one value per row");
     len = lengths->to(at::kLong).contiguous();
   }
-  if (x_in.scalar_type() == at::kDouble) {
+  TORCH_CHECK(selector_dtype(x_in.scalar_type()), "fastlapsum.topk: expected a floating-point x");
+  const TopkRegime regime = topk_regime(rows, n, k, x_in.scalar_type(), false);
+  if (regime == kTopkSort) {
     auto res = topk_fp64(x_in.contiguous(), k, largest, len.defined() ? std::optional<at::Tensor>(len) : std::nullopt);
     return res;
   }
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kHalf ||
-                  x_in.scalar_type() == at::kBFloat16,
-              "fastlapsum.topk: expected a floating-point x");
   const at::Tensor x = rows_view(x_in);
   at::Tensor values = at::empty({rows, k}, x.options());
   at::Tensor indices = at::empty({rows, k}, x.options().dtype(at::kLong));
   if (rows == 0 || k == 0) return {values, indices};
   // Tiny rows with a small budget sort in the kernel: one launch.
-  const bool sort_in_kernel = sorted && k > 1 && use_warp_rows(rows, n, k) && k <= TopkTuning::kWarpSortMaxK;
+  const bool sort_in_kernel = sorted && k > 1 && (regime == kTopkThreadRows || regime == kTopkWarpRows) &&
+                              k <= TopkTuning::kWarpSortMaxK;
   const bool want_comp = sorted && k > 1 && !sort_in_kernel;
   at::Tensor comp = want_comp ? at::empty({rows, k}, x.options().dtype(at::kLong)) : at::Tensor();
   Params P{};
@@ -327,7 +361,7 @@ std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k, 
     if constexpr (!std::is_same_v<scalar_t, double>) {
       P.x = x.const_data_ptr<scalar_t>();
       P.out_val = values.mutable_data_ptr<scalar_t>();
-      launch<scalar_t, false>(P, rows, x);
+      launch<scalar_t, false>(P, rows, x, regime);
     }
   });
   if (want_comp) {
@@ -342,7 +376,9 @@ at::Tensor hard_mask_cuda(const at::Tensor& x_in, const at::Tensor& k, const at:
   // Inputs as threshold_io leaves them (checked there; the caller holds x's device guard).
   const int64_t rows = x_in.size(0), n = x_in.size(1);
   TORCH_CHECK(n < 4294967295LL, "fastlapsum.hard_mask: rows longer than 2^32 - 2 are not supported on CUDA");
-  if (x_in.scalar_type() == at::kDouble) return hard_mask_fp64(x_in.contiguous(), k, b, largest);
+  TORCH_CHECK(selector_dtype(x_in.scalar_type()), "fastlapsum.hard_mask: expected a floating-point x");
+  const TopkRegime regime = topk_regime(rows, n, 0, x_in.scalar_type(), true);
+  if (regime == kTopkSort) return hard_mask_fp64(x_in.contiguous(), k, b, largest);
   const at::Tensor x = rows_view(x_in);
   at::Tensor mask = at::empty({rows, n}, x.options());
   if (mask.numel() == 0) return mask;
@@ -358,13 +394,27 @@ at::Tensor hard_mask_cuda(const at::Tensor& x_in, const at::Tensor& k, const at:
     if constexpr (!std::is_same_v<scalar_t, double>) {
       P.x = x.const_data_ptr<scalar_t>();
       P.out_mask = mask.mutable_data_ptr<scalar_t>();
-      launch<scalar_t, true>(P, rows, x);
+      launch<scalar_t, true>(P, rows, x, regime);
     }
   });
   return mask;
 }
 
-TORCH_LIBRARY_IMPL(fastlapsum, CUDA, m) { m.impl("topk", &topk_cuda); }
+namespace {
+
+int64_t topk_regime_cuda(const at::Tensor& x, int64_t k, bool hard_mask) {
+  TORCH_CHECK(x.dim() == 2, "fastlapsum.topk_regime: expected x of shape [rows, n]");
+  TORCH_CHECK(hard_mask || (k >= 0 && k <= x.size(1)), "fastlapsum.topk: k must be in [0, n]");
+  TORCH_CHECK(selector_dtype(x.scalar_type()), "fastlapsum.topk: expected a floating-point x");
+  return topk_regime(x.size(0), x.size(1), hard_mask ? 0 : k, x.scalar_type(), hard_mask);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastlapsum, CUDA, m) {
+  m.impl("topk", &topk_cuda);
+  m.impl("topk_regime", &topk_regime_cuda);
+}
 
 }  // namespace fastlapsum
 
