@@ -73,7 +73,7 @@ def _timed_local(fn, reps: int) -> float:
 
 def _empty_cache() -> None:
     if DEV == "cuda":
-        _empty_cache()
+        torch.cuda.empty_cache()
 
 
 def _oom_safe(fn):
