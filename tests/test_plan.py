@@ -82,7 +82,9 @@ def test_soft_regime(device, n, method, regime, dtype):
         s = x.double() if largest else -x.double()
         b_ref = lapsum_threshold_reference(s, k, t)[0]
         b = info.threshold.cpu()
-        assert torch.allclose(b if largest else -b, b_ref, rtol=1e-9, atol=1e-9 * t.max().item()), (b, b_ref)
+        # CUDA long rows of 16/32-bit scores take fp32 exponentials: b to ~1e-7 t (DESIGN §1.2)
+        close = 2e-6 if device == "cuda" and regime == "long-rows" and dtype != F64 else 1e-9
+        assert torch.allclose(b if largest else -b, b_ref, rtol=1e-9, atol=close * t.max().item()), (b, b_ref)
 
         p = fl.soft_topk(xd, kd, td, largest=largest, method=method)
         assert p.dtype == dtype and p.device.type == device
@@ -94,7 +96,7 @@ def test_soft_regime(device, n, method, regime, dtype):
             assert err <= 4 * mask_floor(p_ref[r], dtype) + 1e-12, (r, err)
         if device == "cuda":  # the same shape on the CPU op: the same thresholds
             bc = fl.lapsum_threshold(x, k, t, largest=largest, method=method)
-            assert torch.allclose(b, bc, rtol=1e-9, atol=1e-9 * t.max().item())
+            assert torch.allclose(b, bc, rtol=1e-9, atol=close * t.max().item())
 
 
 def test_soft_regime_reads_no_data():
@@ -166,7 +168,7 @@ def test_topk_regime(device, rows, n, k, hard, regime, dtype):
         assert torch.equal(i.cpu(), wi)
         torch.testing.assert_close(v.cpu(), wv, rtol=0, atol=0, equal_nan=True)
         v, i = fl.topk(xd, k, largest=largest)
-        assert_exact_topk(x, k, v, i, largest=largest)
+        assert_exact_topk(xd, k, v, i, largest=largest)
         assert torch.equal(i.cpu().sort(1).values, wi.sort(1).values)  # the same set: ties decided
 
 
