@@ -17,7 +17,7 @@ extern "C" PyObject* PyInit__C(void) {
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
   const std::pair<const char*, int64_t> constants[] = {
-      {"AUTO_SORT_MAX_N", fastlapsum::kAutoSortMaxN}, {"PATH_DIRECT", fastlapsum::kPathDirect},
+      {"AUTO_SORT_MAX_N_CPU", fastlapsum::kAutoSortMaxNCpu}, {"AUTO_SORT_MAX_N_CUDA", fastlapsum::kAutoSortMaxNCuda}, {"PATH_DIRECT", fastlapsum::kPathDirect},
       {"PATH_SORT", fastlapsum::kPathSort},           {"PATH_BRACKET", fastlapsum::kPathBracket},
       {"PATH_BRACKET_RETRY", fastlapsum::kPathBracketRetry}, {"PATH_RADIX", fastlapsum::kPathRadix},
       {"METHOD_AUTO", fastlapsum::kMethodAuto},       {"METHOD_SORT", fastlapsum::kMethodSort},

@@ -248,10 +248,10 @@ def test_batch_of_gaussian_rows_bracket_each_row(device):
 
 @pytest.mark.parametrize("device", CPU_SOLVER_CHOICE)
 def test_auto_switches_solver_at_the_crossover(device):
-    """auto (csrc/common/plan.h, the same on every device): sort rows of at most
-    AUTO_SORT_MAX_N scores, bracket longer ones, decided on the row length (infinities
-    count: the host decides without reading the row)."""
-    c = fl.functional.AUTO_SORT_MAX_N
+    """auto (csrc/common/plan.h): the CPU sorts rows of at most AUTO_SORT_MAX_N_CPU scores
+    and brackets longer ones, decided on the row length (infinities count: the host
+    decides without reading the row). CUDA's crossover: tests/test_plan.py."""
+    c = fl.functional.AUTO_SORT_MAX_N_CPU
     x = torch.randn(c + 1000, generator=gen(22)).to(device)
     for n, path in [(c, fl.PATH_SORT), (c + 1, fl.PATH_BRACKET), (c + 1000, fl.PATH_BRACKET)]:
         info = fl.lapsum_diagnostics(x[:n], 100.5, 1.0, method="auto")

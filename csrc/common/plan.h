@@ -1,9 +1,10 @@
-// The solver plan of the threshold ops, the same on every device (docs/DESIGN.md §7):
-// method "auto" sorts rows of at most kAutoSortMaxN scores (the closed-form scan after a
-// sort, §1.1) and brackets longer ones (§1.2). The crossover is measured on the CPU
-// (benchmarks/bench_auto_crossover.py: the bracket wins by ~2x from 4096 scores on, the
-// sort below 2048) and is where the CUDA on-chip solver's row fits one CTA. It is decided on
-// the row length alone, so that the host knows it without reading the row.
+// The solver plan of the threshold ops (docs/DESIGN.md §7): method "auto" sorts rows of at
+// most a device's kAutoSortMaxN* scores (the closed-form scan after a sort, §1.1) and brackets
+// longer ones (§1.2), the same algorithm family on every device, decided on the row length
+// alone so that the host knows it without reading the row. The crossovers differ because
+// the sorts differ: the CPU's std::sort loses to its bracket between 1024 scores (sort 1.3x
+// faster) and 2048 (bracket up to 1.6x faster; benchmarks/results/auto_crossover_cpu.txt);
+// a CUDA CTA sorts up to 4096 scores on chip in one launch, against the bracket's chain.
 //
 // The regimes below name how a call is mapped onto its device. Each device's dispatch
 // computes its regime with one function (soft: soft_regime_cpu here, soft_regime_cuda in
@@ -18,12 +19,13 @@
 
 namespace fastlapsum {
 
-constexpr int64_t kAutoSortMaxN = 4096;
+constexpr int64_t kAutoSortMaxNCpu = 1536;
+constexpr int64_t kAutoSortMaxNCuda = 4096;
 
 // true: the sort solver; false: the bracket (method "sort" on a longer CUDA row runs the
 // exact radix bracket, the GPU's sort of a row that does not fit on chip).
-inline bool plan_sorts(int64_t n, int64_t method) {
-  return method == kMethodSort || (method == kMethodAuto && n <= kAutoSortMaxN);
+inline bool plan_sorts(int64_t n, int64_t method, int64_t auto_sort_max_n) {
+  return method == kMethodSort || (method == kMethodAuto && n <= auto_sort_max_n);
 }
 
 // lapsum_threshold / soft_topk / log_soft_topk.
@@ -39,7 +41,7 @@ constexpr const char* kSoftRegimeNames[] = {"cpu-sort", "cpu-bracket", "warp-row
                                             "cta-rows", "long-rows",   "radix-rows"};
 
 inline SoftRegime soft_regime_cpu(int64_t n, int64_t method) {
-  return plan_sorts(n, method) ? kSoftCpuSort : kSoftCpuBracket;
+  return plan_sorts(n, method, kAutoSortMaxNCpu) ? kSoftCpuSort : kSoftCpuBracket;
 }
 
 // fastlapsum.topk and the straight-through hard mask.

@@ -202,7 +202,7 @@ RowSolution solve_row(const Row<scalar_t>& row, int64_t row_index, double k, dou
                  static_cast<double>(c.ninf), &b, &edge, &kf))
     return RowSolution{b, edge, kPathDirect, 0, 0};
   const int64_t finite = row.n - c.pinf - c.ninf;
-  if (!plan_sorts(row.n, method)) return solve_bracket(row, row_index, finite, kf, t);
+  if (!plan_sorts(row.n, method, kAutoSortMaxNCpu)) return solve_bracket(row, row_index, finite, kf, t);
   return RowSolution{solve_sort(row, finite, kf, t), 1.0, kPathSort, finite, 0};
 }
 

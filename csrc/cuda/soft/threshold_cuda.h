@@ -11,14 +11,14 @@
 namespace fastlapsum {
 
 // Rows that the plan sorts are solved on chip (short_rows_cuda.cu).
-constexpr int64_t kShortRowMax = kAutoSortMaxN;
+constexpr int64_t kShortRowMax = kAutoSortMaxNCuda;
 
 // The CUDA regime of rows of n scores, decided here only (the threshold op, the fused forward
 // and the soft_regime op): rows the plan sorts run on chip, a warp per row where the row fits
 // a warp's registers (SoftTuning), else a CTA per row; the others the certified bracket, or
 // for method "sort" on rows too long for the chip the exact radix bracket alone.
 inline SoftRegime soft_regime_cuda(int64_t n, at::ScalarType dtype, int64_t method) {
-  if (!plan_sorts(n, method)) return kSoftLongRows;
+  if (!plan_sorts(n, method, kAutoSortMaxNCuda)) return kSoftLongRows;
   if (n > kShortRowMax) return kSoftRadixRows;
   return n <= SoftTuning::warp_row_max(dtype == at::kDouble) ? kSoftWarpRows : kSoftCtaRows;
 }
