@@ -10,15 +10,16 @@
 #include "ops.h"
 
 // An importable module, so that `import fastlapsum._C` loads the op library; it also carries
-// the constants Python needs (the plan's crossover, the diagnostics' path codes, the regime
-// names indexed by code), so that they are never copied by hand.
+// the constants Python needs (the plan's crossover, the diagnostics' path codes, the path and
+// regime names indexed by code), so that they are never copied by hand.
 extern "C" PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
   const std::pair<const char*, int64_t> constants[] = {
-      {"AUTO_SORT_MAX_N_CPU", fastlapsum::kAutoSortMaxNCpu}, {"AUTO_SORT_MAX_N_CUDA", fastlapsum::kAutoSortMaxNCuda}, {"PATH_DIRECT", fastlapsum::kPathDirect},
-      {"PATH_SORT", fastlapsum::kPathSort},           {"PATH_BRACKET", fastlapsum::kPathBracket},
+      {"AUTO_SORT_MAX_N_CPU", fastlapsum::kAutoSortMaxNCpu}, {"AUTO_SORT_MAX_N_CUDA", fastlapsum::kAutoSortMaxNCuda},
+      {"PATH_DIRECT", fastlapsum::kPathDirect},       {"PATH_SORT", fastlapsum::kPathSort},
+      {"PATH_BRACKET", fastlapsum::kPathBracket},
       {"PATH_BRACKET_RETRY", fastlapsum::kPathBracketRetry}, {"PATH_RADIX", fastlapsum::kPathRadix},
       {"METHOD_AUTO", fastlapsum::kMethodAuto},       {"METHOD_SORT", fastlapsum::kMethodSort},
       {"METHOD_BRACKET", fastlapsum::kMethodBracket}, {"MODE_SOFT", fastlapsum::kModeSoft},
@@ -51,7 +52,8 @@ extern "C" PyObject* PyInit__C(void) {
     }
     return true;
   };
-  if (!add_names("SOFT_REGIME_NAMES", fastlapsum::kSoftRegimeNames, std::size(fastlapsum::kSoftRegimeNames)) ||
+  if (!add_names("PATH_NAMES", fastlapsum::kPathNames, std::size(fastlapsum::kPathNames)) ||
+      !add_names("SOFT_REGIME_NAMES", fastlapsum::kSoftRegimeNames, std::size(fastlapsum::kSoftRegimeNames)) ||
       !add_names("TOPK_REGIME_NAMES", fastlapsum::kTopkRegimeNames, std::size(fastlapsum::kTopkRegimeNames))) {
     Py_DECREF(m);
     return nullptr;

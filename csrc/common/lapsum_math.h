@@ -25,6 +25,7 @@ enum SolvePath : int64_t {
   kPathBracketRetry = 3,  // certified sample bracket after widening
   kPathRadix = 4,         // exact radix-bracket fallback
 };
+constexpr const char* kPathNames[] = {"direct", "sort", "bracket", "bracket-retry", "radix-fallback"};
 
 // method argument of the threshold ops
 enum SolveMethod : int64_t { kMethodAuto = 0, kMethodSort = 1, kMethodBracket = 2 };
