@@ -56,8 +56,7 @@ def local_sums(a, d, gw, ga, t) -> torch.Tensor:
     m, idx = a.min(1)
     has = m < math.inf
     dref = torch.where(has, d.gather(1, idx[:, None])[:, 0], torch.zeros_like(m))
-    mm = torch.where(has, m, torch.zeros_like(m))
-    wh = torch.where(a <= _BIG, 0.5 * torch.exp(-(a - mm[:, None]) / t[:, None]), torch.zeros_like(a))
+    wh = _weights(a, m, t)
     dd = d - dref[:, None]
     out[:, 0] = m
     out[:, 1] = dref
