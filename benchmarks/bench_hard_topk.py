@@ -28,7 +28,7 @@ import math
 import torch
 
 import fastlapsum
-from timing import copy_bandwidth_gbps, graph_median_ms, median_ms
+from timing import bandwidth_header, graph_median_ms, median_ms
 
 KB = 1024
 MATRIX_M = [512, 1024, 2048, 4096, 8192]
@@ -73,8 +73,7 @@ def causal_fill(x, gen):
 def run(args):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    bw = copy_bandwidth_gbps(dev)
-    print(f"{torch.cuda.get_device_name(dev)} | copy bandwidth {bw:.0f} GB/s | torch {torch.__version__}")
+    bw = bandwidth_header(dev)
     rows = []
     reps = 3 if args.quick else 5
 

@@ -23,7 +23,7 @@ import torch
 
 import fastlapsum
 from fastlapsum import reference
-from timing import copy_bandwidth_gbps, graph_median_ms, median_ms
+from timing import bandwidth_header, graph_median_ms, graph_median_ms_or_none, median_ms
 
 FWD_PASSES, BWD_PASSES = 3, 4
 ROUTER = [(65536, 256, 8), (16384, 64, 2)]  # (rows, n, k): MoE-router shapes
@@ -48,8 +48,7 @@ def adversarial_rows(n: int, gen: torch.Generator, device) -> dict[str, torch.Te
 def run(args):
     dev = torch.device(args.device)
     gen = torch.Generator(device=dev).manual_seed(0)
-    bw = copy_bandwidth_gbps(dev)
-    print(f"device {dev} | copy bandwidth {bw:.0f} GB/s | torch {torch.__version__}")
+    bw = bandwidth_header(dev)
     rows = []
 
     def bench(n: int, batch: int, k: float | None = None):
@@ -72,10 +71,7 @@ def run(args):
         fb = median_ms(fwd_bwd, dev, reps=reps)
         fb_graph = None
         if dev.type == "cuda":  # forward + backward as one graph: device time of both
-            try:
-                fb_graph = graph_median_ms(lambda: torch.autograd.grad(fastlapsum.soft_topk(xg, kk, tt), xg, g))
-            except RuntimeError as e:  # report, don't lose the run
-                print(f"  (fwd+bwd graph capture failed: {str(e).splitlines()[0][:120]})")
+            fb_graph = graph_median_ms_or_none(lambda: torch.autograd.grad(fastlapsum.soft_topk(xg, kk, tt), xg, g))
         topk = median_ms(lambda: torch.topk(x, int(k), sorted=False), dev, reps=reps)
         ref = bis = None
         if n * batch <= args.baseline_max_n:

@@ -30,7 +30,7 @@ import os
 import torch
 
 import fastlapsum
-from timing import copy_bandwidth_gbps, graph_median_ms
+from timing import bandwidth_header, graph_median_ms_or_none
 
 SHAPES = [  # name, rows, n, k
     ("moe_token_choice_256", 65536, 256, 8),
@@ -58,14 +58,6 @@ def flashinfer_top_k():
         return None
 
 
-def graph_ms(fn, reps):
-    try:
-        return graph_median_ms(fn, reps=reps)
-    except Exception as e:  # noqa: BLE001 - report and go on with the other columns
-        print(f"    capture failed: {type(e).__name__}: {str(e)[:200]}")
-        return None
-
-
 def flashinfer_ms(top_k, x, k, reps):
     if top_k is None or x.size(1) > FLASHINFER_MAX_N:
         return None
@@ -78,7 +70,7 @@ def flashinfer_ms(top_k, x, k, reps):
             if not torch.equal(v.sort(1).values, ref.sort(1).values):
                 print(f"    flashinfer {algo}: not the top-k, ignored")
                 continue
-            ms = graph_ms(lambda: top_k(x, k, sorted=False), reps)
+            ms = graph_median_ms_or_none(lambda: top_k(x, k, sorted=False), reps=reps)
         except Exception as e:  # noqa: BLE001 - a backend that cannot run this shape
             print(f"    flashinfer {algo}: {type(e).__name__}: {str(e)[:120]}")
             continue
@@ -91,8 +83,7 @@ def flashinfer_ms(top_k, x, k, reps):
 def run(args):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    bw = copy_bandwidth_gbps(dev)
-    print(f"{torch.cuda.get_device_name(dev)} | copy bandwidth {bw:.0f} GB/s | torch {torch.__version__}")
+    bw = bandwidth_header(dev)
     top_k = flashinfer_top_k()
     reps = args.reps
     rows = []
@@ -119,13 +110,16 @@ def run(args):
 
             hv, _ = fastlapsum.topk(x, k, sorted=True)
             exact = torch.equal(hv, torch.topk(x, k, sorted=True).values)
+            def dev_ms(fn):
+                return graph_median_ms_or_none(fn, reps=reps)
+
             row = dict(name=name, rows=m, n=n, k=k, dtype=str(dtype).replace("torch.", ""),
-                       soft_ms=graph_ms(lambda: fastlapsum.soft_topk(x, k, t), reps), soft_floor_ms=floor(2),
-                       fwd_bwd_ms=graph_ms(fwd_bwd, reps), fwd_bwd_floor_ms=floor(6),
-                       st_ms=graph_ms(lambda: fastlapsum.soft_topk(x, k, t, hard=True), reps),
-                       kth_sigmoid_ms=graph_ms(kth_sigmoid, reps),
-                       hard_ms=graph_ms(lambda: fastlapsum.topk(x, k), reps), hard_floor_ms=floor(1),
-                       torch_topk_ms=graph_ms(lambda: torch.topk(x, k, sorted=False), reps),
+                       soft_ms=dev_ms(lambda: fastlapsum.soft_topk(x, k, t)), soft_floor_ms=floor(2),
+                       fwd_bwd_ms=dev_ms(fwd_bwd), fwd_bwd_floor_ms=floor(6),
+                       st_ms=dev_ms(lambda: fastlapsum.soft_topk(x, k, t, hard=True)),
+                       kth_sigmoid_ms=dev_ms(kth_sigmoid),
+                       hard_ms=dev_ms(lambda: fastlapsum.topk(x, k)), hard_floor_ms=floor(1),
+                       torch_topk_ms=dev_ms(lambda: torch.topk(x, k, sorted=False)),
                        flashinfer_ms=flashinfer_ms(top_k, x, k, reps),
                        budget_error=budget, hard_exact=exact)
             rows.append(row)

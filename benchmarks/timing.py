@@ -77,3 +77,23 @@ def copy_bandwidth_gbps(device: str | torch.device, nbytes: int = 1 << 30) -> fl
     b = torch.empty_like(a)
     ms = median_ms(lambda: b.copy_(a), device, warmup=2, reps=5)
     return 2 * n * 4 / (ms * 1e-3) / 1e9
+
+
+def bandwidth_header(device: str | torch.device) -> float:
+    """The copy bandwidth of this run in GB/s (the floors' denominator), printed with the
+    device's name and torch's version as a benchmark log's first line."""
+    device = torch.device(device)
+    bw = copy_bandwidth_gbps(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    print(f"{name} | copy bandwidth {bw:.0f} GB/s | torch {torch.__version__}")
+    return bw
+
+
+def graph_median_ms_or_none(fn: Callable[[], object], *, reps: int = 20) -> float | None:
+    """graph_median_ms, or None (reported) where fn cannot be captured: one failed column
+    must not lose a benchmark run."""
+    try:
+        return graph_median_ms(fn, reps=reps)
+    except RuntimeError as e:
+        print(f"    graph capture failed: {str(e).splitlines()[0][:160]}")
+        return None
