@@ -68,11 +68,11 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny CPU run (smoke test)")
     ap.add_argument("--out", default=None, help="output folder (a temp folder with --quick)")
     a = ap.parse_args(argv)
-    d = dict(size=224, budgets="8,32,128,512", images=32, calib=16, steps=150, peer_steps=100,
+    d = dict(size=224, budgets="4,16,64,256", images=32, calib=16, steps=150, peer_steps=250,
              train_steps=400, train_batch=64, time_budget=110.0)
     if a.quick:
         d.update(size=32, budgets="4,16", images=3, calib=2, steps=8, peer_steps=8,
-                 train_steps=30, train_batch=8, time_budget=60.0)
+                 train_steps=20, train_batch=8, time_budget=60.0)
         a.pgd_etas = "0.3"
     for k, v in d.items():
         if getattr(a, k) is None:
@@ -306,7 +306,7 @@ def main(argv=None):
                 fn = peer_fn(name, model, args.peer_steps)
                 sync(dev)
                 tk = time.perf_counter()
-                adv, n = run_chunked(fn, x, y, 8 if dev.type == "cuda" else 4, cap, log)
+                adv, n = run_chunked(fn, x, y, 16 if dev.type == "cuda" else 4, cap, log)
                 sync(dev)
                 record(res, name, None, model, x, y, adv, time.perf_counter() - tk, log, attacked=n)
         except Exception as e:
