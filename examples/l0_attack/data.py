@@ -19,6 +19,7 @@ on 32x32 crops.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -45,14 +46,11 @@ def crop_boxes(photos, n: int, gen: torch.Generator, lo=0.3, hi=0.75):
     """n (class, box) pairs; box = (x0, y0, x1, y1) in pixels of that class's photo."""
     cls = torch.randint(len(photos), (n,), generator=gen)
     u = torch.rand(n, 3, generator=gen)
-    boxes = torch.empty(n, 4)
-    for i in range(n):
-        _, h, w = photos[int(cls[i])].shape
-        side = (lo + (hi - lo) * u[i, 0]) * min(h, w)
-        x0 = u[i, 1] * (w - side)
-        y0 = u[i, 2] * (h - side)
-        boxes[i] = torch.stack([x0, y0, x0 + side, y0 + side])
-    return cls, boxes
+    hw = torch.tensor([p.shape[1:] for p in photos], dtype=torch.float32)[cls]  # [n, (h, w)]
+    side = (lo + (hi - lo) * u[:, 0]) * hw.min(1).values
+    x0 = u[:, 1] * (hw[:, 1] - side)
+    y0 = u[:, 2] * (hw[:, 0] - side)
+    return cls, torch.stack([x0, y0, x0 + side, y0 + side], 1)
 
 
 def render(photos, cls, boxes, size: int, gen: torch.Generator, jitter: bool = False):
@@ -102,8 +100,9 @@ def make_model() -> nn.Module:
 
 
 def train(photos, size: int, steps: int, batch: int, seed: int, time_cap: float, log=print):
-    """Train resnet18 on online crops (AdamW, cosine schedule; bf16 autocast on CUDA) for
-    `steps` steps or `time_cap` seconds, whichever comes first. Returns the eval-mode model."""
+    """Train resnet18 on online crops (AdamW, warm-up then cosine decay; bf16 autocast on
+    CUDA) for `steps` steps or `time_cap` seconds, whichever comes first. Returns the
+    eval-mode model and the steps done."""
     dev = photos[0].device
     torch.manual_seed(seed)
     model = make_model().to(dev)
@@ -111,12 +110,19 @@ def train(photos, size: int, steps: int, batch: int, seed: int, time_cap: float,
     if cuda:
         model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.15)
     gen = torch.Generator().manual_seed(seed)
     model.train()
     t0 = time.perf_counter()
     done = 0
-    for step in range(steps):
+    while True:
+        # progress by steps or by time, whichever is further: a time cap still ends the
+        # schedule at a small learning rate
+        prog = max(done / steps, (time.perf_counter() - t0) / time_cap)
+        if prog >= 1:
+            break
+        lr = 2e-3 * (prog / 0.15 if prog < 0.15 else 0.5 * (1 + math.cos(math.pi * (prog - 0.15) / 0.85)))
+        for g in opt.param_groups:
+            g["lr"] = lr
         cls, boxes = crop_boxes(photos, batch, gen)
         x = render(photos, cls, boxes, size, gen, jitter=True)
         y = cls.to(dev)
@@ -125,13 +131,10 @@ def train(photos, size: int, steps: int, batch: int, seed: int, time_cap: float,
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        sched.step()
-        done = step + 1
-        if step % 50 == 0 or step == steps - 1:
-            log(f"  train step {step:4d} loss {loss.item():.3f} {time.perf_counter() - t0:6.1f} s")
-        if time.perf_counter() - t0 > time_cap:
-            log(f"  train: time cap {time_cap:.0f} s reached after {done} steps")
-            break
+        if done % 50 == 0:
+            log(f"  train step {done:4d} loss {loss.item():.3f} lr {lr:.1e} {time.perf_counter() - t0:6.1f} s")
+        done += 1
+    log(f"  train: {done} steps in {time.perf_counter() - t0:.1f} s (cap {time_cap:.0f} s)")
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -139,6 +142,6 @@ def train(photos, size: int, steps: int, batch: int, seed: int, time_cap: float,
 
 
 @torch.no_grad()
-def accuracy(model, x, y, batch: int = 64) -> float:
-    pred = torch.cat([model(x[i:i + batch]).argmax(1) for i in range(0, len(x), batch)])
-    return float((pred == y).float().mean())
+def correct(model, x, y, batch: int = 64) -> torch.Tensor:
+    """Per image: does the model classify it correctly."""
+    return torch.cat([model(x[i:i + batch]).argmax(1) for i in range(0, len(x), batch)]) == y
