@@ -393,7 +393,7 @@ def plot_examples(res, path, n_show=4):
     u8, ok = res["adv"][("ours", K)]
     idx = ok.nonzero()[:, 0][:n_show].tolist()
     x = res["_x"].cpu()
-    fig, axes = plt.subplots(2, len(idx), figsize=(2.6 * len(idx), 5.4), squeeze=False)
+    fig, axes = plt.subplots(2, len(idx), figsize=(max(2.6 * len(idx), 6.0), 5.4), squeeze=False)
     for j, i in enumerate(idx):
         clean = x[i].permute(1, 2, 0).numpy()
         adv = u8[i].permute(1, 2, 0).float().numpy() / 255

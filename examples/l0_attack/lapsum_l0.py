@@ -147,7 +147,7 @@ class LapSumL0(_L0Base):
 
     Arguments:
         model (nn.Module): classifier on inputs in [0, 1].
-        k (int): pixel budget (exactly k pixels may change).
+        k (int): pixel budget (k pixels are selected; at most k change).
         steps (int): Adam steps per restart. restarts (int): random score restarts.
         lr (float): Adam step on scores and colour logits.
         temperature (float): LapSum temperature of the mask's gradient.
