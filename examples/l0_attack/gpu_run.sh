@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The README's table: one unattended run on one GPU, all attacks on the same images and K.
+#   examples/l0_attack/gpu_run.sh OUTDIR
+# The script budgets itself to ~110 s (phase caps, partial results saved after each phase);
+# `timeout` is the backstop. Writes OUTDIR/results.{json,md}, examples.png, log.txt, run.log.
+set -u
+OUT=${1:?usage: gpu_run.sh OUTDIR}
+mkdir -p "$OUT"
+HERE=$(cd "$(dirname "$0")" && pwd)
+PY=${PYTHON:-python3}
+start=$(date +%s)
+timeout -k 5 140 "$PY" "$HERE/attack.py" --device cuda --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/run.log"
+rc=${PIPESTATUS[0]}
+echo "gpu_run.sh: exit $rc after $(( $(date +%s) - start )) s; results in $OUT" | tee -a "$OUT/run.log"
+exit "$rc"
