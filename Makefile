@@ -91,12 +91,14 @@ build: $(VENV)/.built
 build-cpu: $(CPU_VENV)/.built
 
 test: build
+	$(PY) tools/ensure_requirements.py
 	$(PY) -m pytest tests -q $(PYTEST_ARGS)
 
 test-all: PYTEST_ARGS :=
 test-all: test
 
 test-cpu: build-cpu
+	$(CPU_PY) tools/ensure_requirements.py $(CPU_TORCH_PIP_ARGS)
 	$(CPU_PY) -m pytest tests -q $(PYTEST_ARGS)
 
 demo: $(RUN_BUILD)

@@ -8,7 +8,7 @@
 # Knobs: STEPS (also profile, timeline, profile_topk, ncu, ncu_hard, ncu_source, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
 # NCU_KERNELS, NCU_SIZES, NCU_HARD_SHAPE, NCU_HARD_K, NCU_METRICS, NCU_EXTRA (e.g. --section SourceCounters),
 # NCU_SRC_KERNEL, NCU_SRC_SKIP, NCU_SRC_CMD (step ncu_source), BUDGET (seconds for the whole script).
-# SLOW (0: skip slow tests), PYTEST_EXTRA (unquoted words only), BENCH_ARGS, BENCH_HARD_ARGS, TP_ARGS, GS_ARGS, L0_ARGS.
+# SLOW (0: skip slow tests), PYTEST_EXTRA (unquoted words only), BENCH_ARGS, BENCH_HARD_ARGS, and the examples' own gpu_run.sh (each writes its README's table).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fastlapsum_gpu_out}
@@ -61,9 +61,9 @@ for step in $STEPS; do
         $PY -c "import torch, fastlapsum; x = torch.randn(${NCU_HARD_SHAPE:-2048, 524288}, device='cuda'); fastlapsum.topk(x, ${NCU_HARD_K:-2048}, sorted=False); torch.cuda.synchronize()" \
         || echo "ncu: not found or failed" ;;
     ncu_source) run ncu_source 240 bash benchmarks/ncu_source.sh "$L" ;;  # knobs: see that script
-    token_pruning) run token_pruning "${EXAMPLE_TIMEOUT:-420}" $PY examples/token_pruning/train.py --device cuda --out "$L/token_pruning" ${TP_ARGS:-} ;;
-    gaussian_splatting) run gaussian_splatting "${EXAMPLE_TIMEOUT:-420}" $PY examples/gaussian_splatting/train.py --device cuda --scene large --out "$L/gaussian_splatting" ${GS_ARGS:-} ;;
-    l0_attack) run l0_attack "${EXAMPLE_TIMEOUT:-420}" $PY examples/l0_attack/attack.py --device cuda --megapixel --out "$L/l0_attack" ${L0_ARGS:-} ;;
+    token_pruning) run token_pruning "${EXAMPLE_TIMEOUT:-420}" bash examples/token_pruning/gpu_run.sh "$L/token_pruning" ;;
+    gaussian_splatting) run gaussian_splatting "${EXAMPLE_TIMEOUT:-420}" bash examples/gaussian_splatting/gpu_run.sh "$L/gaussian_splatting" ;;
+    l0_attack) run l0_attack "${EXAMPLE_TIMEOUT:-420}" bash examples/l0_attack/gpu_run.sh "$L/l0_attack" ;;
   esac
 done
 grep -h "passed\|failed\|error" "$L"/tests.log 2>/dev/null | tail -3 > "$OUT/summary.txt"
