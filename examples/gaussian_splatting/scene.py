@@ -14,7 +14,8 @@ def _texture(p: torch.Tensor, freq: float) -> torch.Tensor:
     r = 0.5 + 0.35 * torch.sin(2.1 * freq * x + 1.3 * z) + 0.15 * check
     g = 0.5 + 0.35 * torch.sin(1.7 * freq * y + 2.0 * x) - 0.15 * check
     b = 0.5 + 0.35 * torch.sin(2.9 * freq * z + 0.7 * y) + 0.1 * check
-    return torch.stack([r, g, b], -1).clamp(0.02, 0.98)
+    fine = 0.12 * torch.sin(4.3 * freq * (x + y - z))  # detail a few pixels wide
+    return (torch.stack([r, g, b], -1) + fine[:, None]).clamp(0.02, 0.98)
 
 
 def _surface_points(n: int, gen: torch.Generator) -> torch.Tensor:

@@ -36,7 +36,7 @@ PRESETS = {
                   score_steps=16, finetune_steps=16, sweep_score=8, sweep_finetune=8, batch=2,
                   refine_every=8, budget_s=600.0, render_reps=1, threads=1),
     "gpu": dict(device="cuda", size=192, views=128, n_ref=400_000, n_init=120_000, target=1_000_000,
-                t1=900, score_steps=400, finetune_steps=600, sweep_score=150, sweep_finetune=250,
+                t1=800, score_steps=300, finetune_steps=500, sweep_score=100, sweep_finetune=150,
                 batch=4, refine_every=100, budget_s=200.0, render_reps=10, threads=0),
 }
 METHODS = [("none", "no pruning"), ("learned", "learned (soft_topk)"),
@@ -90,9 +90,9 @@ class Clock:
     def elapsed(self):
         return time.perf_counter() - self.t0
 
-    def cap(self, steps):
-        left = self.budget * (1 - self.reserve) - self.elapsed()
-        share = max(left, 0.0) * steps / max(self.left_steps, 1)
+    def cap(self, steps, weight=1.0):
+        left = max(self.budget * (1 - self.reserve) - self.elapsed(), 0.0)
+        share = min(left, left * weight * steps / max(self.left_steps, 1))
         self.left_steps = max(self.left_steps - steps, 0)
         return share
 
@@ -133,8 +133,9 @@ def render(params, opac, viewmats, Ks, scene, backend):
 
 def train(params, opts, scene, args, steps, step0, gen, clock, tag, *, strategy=None, sstate=None,
           adc=None, adc_state=None):
-    """steps of training from step0; stops early at its share of the wall budget."""
-    cap = clock.cap(steps)
+    """steps of training from step0; stops early at its share of the wall budget (ADC may
+    take twice its share: the size it reaches is what every method starts from)."""
+    cap = clock.cap(steps, 2.0 if adc is not None else 1.0)
     t0 = clock.now()
     ids = scene["train"]
     done, loss = 0, torch.tensor(float("nan"))
@@ -171,11 +172,12 @@ def _adc_step(adc, state, params, opts, it, info, args):
     if it >= adc.refine_stop_iter:
         return
     if it > adc.refine_start_iter and it % adc.refine_every == 0 and state["count"] is not None:
-        # grow the 70 % with the largest mean screen-space gradient: ADC's criterion, with the
-        # threshold picked so the size reaches the target within a few refines
+        # grow the Gaussians with the largest mean screen-space gradient (ADC's criterion), at
+        # most 80 % of them per refine, the threshold picked so the size lands just past --target
         g = (state["grad2d"] / state["count"].clamp_min(1))[state["count"] > 0]
         if g.numel():
-            q = max(1, int(0.3 * g.numel()))
+            frac = min(max(args.target * 1.05 / n - 1, 0.05), 0.8)  # aim just past the target
+            q = max(1, int((1 - frac) * g.numel()))
             adc.grow_grad2d = float(torch.kthvalue(g.float().cpu(), q).values)
     adc.step_post_backward(params, opts, state, it, info, packed=False)
 
