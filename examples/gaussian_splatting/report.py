@@ -33,7 +33,8 @@ def write_outputs(res, views, out, plots=True):
     md += table(rows, ref)
     if sweep:
         md += ["", f"Retention sweep (from the ADC snapshot; {a['sweep_score']} score + {a['sweep_finetune']} "
-               "fine-tune steps, shorter than the main table):", ""]
+               "fine-tune steps, shorter than the main table; the difference column is against the main "
+               "table's no-pruning run):", ""]
         md += table(sweep, ref)
     if res["errors"]:
         md += ["", "Errors:", ""] + ["    " + e.replace("\n", "\n    ") for e in res["errors"]]
