@@ -180,6 +180,8 @@ def _adc_step(adc, state, params, opts, it, info, args):
             q = max(1, int((1 - frac) * g.numel()))
             adc.grow_grad2d = float(torch.kthvalue(g.float().cpu(), q).values)
     adc.step_post_backward(params, opts, state, it, info, packed=False)
+    if it > adc.refine_start_iter and it % adc.refine_every == 0:
+        log(f"ADC step {it}: {n} -> {params['means'].shape[0]} Gaussians")
 
 
 @torch.no_grad()
@@ -213,18 +215,18 @@ def hard_prune(params, opts, keep_scores, K):
     ops.remove(params, opts, {}, drop)
 
 
-def blend_importance(params, scene, args, cache_key=None):
-    """alpha*T summed over the training views; cached per snapshot (cache_key)."""
+def blend_importance(params, scene, args, clock, cache_key):
+    """(alpha*T summed over the training views, the seconds that pass took), computed once per
+    snapshot (cache_key) and charged to every run that uses it."""
     cache = scene.setdefault("importance", {})  # snapshots live as long as the scene
-    if cache_key in cache:
-        return cache[cache_key]
-    ids = scene["train"]
-    w = blend_weights(params["means"], params["quats"], torch.exp(params["scales"]),
-                      torch.sigmoid(params["opacities"]), scene["viewmats"][ids], scene["Ks"][ids],
-                      scene["width"], scene["height"], args.backend)
-    if cache_key is not None:
-        cache[cache_key] = w
-    return w
+    if cache_key not in cache:
+        ids = scene["train"]
+        t0 = clock.now()
+        w = blend_weights(params["means"], params["quats"], torch.exp(params["scales"]),
+                          torch.sigmoid(params["opacities"]), scene["viewmats"][ids], scene["Ks"][ids],
+                          scene["width"], scene["height"], args.backend)
+        cache[cache_key] = (w, clock.now() - t0)
+    return cache[cache_key]
 
 
 def run_method(method, K, S, F, snap, pre, scene, args, spacing, clock, step0, pre_seconds=0.0):
@@ -235,13 +237,12 @@ def run_method(method, K, S, F, snap, pre, scene, args, spacing, clock, step0, p
     if method in ("learned", "bisection"):
         params = make_params(snap, dev)
         opts = make_optimizers(params, spacing)
-        t0 = clock.now()
-        init = torch.log(blend_importance(params, scene, args, id(snap)) + 1e-6)
+        w, init_s = blend_importance(params, scene, args, clock, id(snap))
+        init = torch.log(w + 1e-6)
         strat = LapSumPruneStrategy(keep=K, score_start=step0, prune_at=step0 + S - 1, t_start=args.t_start,
                                     t_end=args.t_end, budget_power=args.budget_power, score_lr=args.score_lr,
                                     solver="lapsum" if method == "learned" else "bisection")
         sstate = strat.initialize_state(params, init)
-        init_s = clock.now() - t0
         r1 = train(params, opts, scene, args, S, step0, gen, clock, tag + " score", strategy=strat, sstate=sstate)
         if not sstate["pruned"]:  # the phase was cut short by its time cap
             strat.prune(params, opts, sstate)
@@ -256,10 +257,12 @@ def run_method(method, K, S, F, snap, pre, scene, args, spacing, clock, step0, p
         opts = make_optimizers(params, spacing)
         train_s, steps_done, extra = pre_seconds, S, {}
         if method != "none":
-            t0 = clock.now()
-            stat = blend_importance(params, scene, args, id(pre)) if method == "alphaT" else params["opacities"].detach()
+            if method == "alphaT":
+                stat, secs = blend_importance(params, scene, args, clock, id(pre))
+                train_s += secs
+            else:
+                stat = params["opacities"].detach()
             hard_prune(params, opts, stat, K)
-            train_s += clock.now() - t0
             extra["n_after_prune"] = params["means"].shape[0]
     r2 = train(params, opts, scene, args, F, step0 + S, gen, clock, tag + " fine-tune")
     train_s += r2["seconds"]
