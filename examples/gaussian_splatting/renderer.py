@@ -10,7 +10,8 @@ n_cameras, gaussian_ids), so one training loop and one strategy serve both.
 The fallback follows gsplat's "classic" kernel: EWA projection with the clamped Jacobian and
 eps2d = 0.3, near plane 0.01, alpha = min(0.999, o exp(-sigma)) dropped below 1/255,
 depth-sorted front-to-back compositing that stops once transmittance would fall to 1e-4.
-It is dense (every Gaussian at every pixel, no tiles): for tiny scenes only.
+It is dense (every Gaussian at every pixel, no tiles): for tiny scenes only. Without tiles a
+Gaussian also reaches pixels outside its 3-sigma box that gsplat's tile culling may skip.
 """
 import math
 
@@ -42,10 +43,10 @@ def project(means, quats, scales, viewmats, Ks, width, height):
     zs = z.clamp_min(NEAR)
     fx, fy = Ks[:, 0, 0, None], Ks[:, 1, 1, None]
     cx, cy = Ks[:, 0, 2, None], Ks[:, 1, 2, None]
-    lim_x = 1.3 * 0.5 * width / fx
-    lim_y = 1.3 * 0.5 * height / fy
-    tx = zs * torch.maximum(torch.minimum(x / zs, lim_x), -lim_x)
-    ty = zs * torch.maximum(torch.minimum(y / zs, lim_y), -lim_y)
+    # gsplat clamps the point the Jacobian is taken at to 30 % beyond the field of view
+    tx = zs * torch.maximum(torch.minimum(x / zs, (width - cx) / fx + 0.15 * width / fx), -(cx / fx + 0.15 * width / fx))
+    ty = zs * torch.maximum(torch.minimum(y / zs, (height - cy) / fy + 0.15 * height / fy),
+                            -(cy / fy + 0.15 * height / fy))
     zero = torch.zeros_like(zs)
     J = torch.stack([fx / zs, zero, -fx * tx / zs ** 2, zero, fy / zs, -fy * ty / zs ** 2], -1)
     J = J.reshape(J.shape[:-1] + (2, 3))  # [C,N,2,3]
