@@ -1,546 +1,374 @@
-"""Learned exact-budget pruning of a 2D Gaussian splatting scene (paper §6.1, Appendix G.1).
+"""Learned exact-budget pruning of a multi-view 3D Gaussian-splatting fit, against baselines.
 
-A pure-PyTorch 2D Gaussian splatter (splat.py) fits one image. The protocol, every number a
-flag, with the paper's iteration numbers 10k / 12k / 30k scaled down (same ratios):
-
-  0  .. T1   adaptive density control (clone / split by accumulated positional-gradient
-             norm, opacity pruning); shared by every method (one run, then branched)
-  T1 .. T2   score learning: one score per Gaussian, mask fastlapsum.soft_topk(scores, k_t, t_t)
-             multiplies opacity; budget k_t cubic from N to K, temperature 3.0 -> 0.1,
-             Adam on the scores (paper: lr 0.02 for 2000 iterations; here 0.02 x 2000 /
-             (T2 - T1) by default, the same lr x iterations); no Gaussian is removed
-  T2         the mask is recomputed after the last update, the K highest-scoring Gaussians
-             are kept (parameters and Adam state), their opacity times their final mask
-  T2 .. T3   recovery on the kept set
-
-Baselines from the same T1 snapshot: no pruning (reference) and the matched hard-pruning
-control, which ranks by footprint x opacity (sum over pixels of o_i G_i(x)) accumulated over
-the same T1..T2 window, keeps the same K at the same T2 and recovers to the same T3.
-K = round(retention x N_ADC), N_ADC the count at T1.
-
-    python examples/gaussian_splatting/train.py                   # default: ~4 min, 2 CPU cores
-    python examples/gaussian_splatting/train.py --quick           # a few iterations (smoke test)
-    python examples/gaussian_splatting/train.py --device cuda --scene large --out /tmp/gs_large
-
-Writes results.json, results.md, psnr_vs_retention.png and renders.png to --out.
+Pipeline (one scene, every method from the same densified snapshot, the same K and schedule):
+  scene      reference Gaussians on textured surfaces rendered from cameras on a sphere;
+             every 8th view is held out
+  ADC        train from a subsampled point cloud with gsplat's DefaultStrategy (the grow
+             threshold is set each refine to a gradient quantile so the size reaches --target)
+  score      S steps; learned: opacities x fastlapsum.soft_topk(scores, k_t, t_t), k_t: N -> K
+             (lapsum_strategy.py), then a hard prune to exactly K through gsplat's remove op;
+             hard baselines: plain training, then a prune to the top K by their statistic
+  fine-tune  F steps, no densification
+Methods: no pruning; hard by alpha*T blending weight summed over the training views; hard by
+opacity; learned (soft_topk); learned with a 60-step bisection selector (selector cost).
+Metrics on the held-out views: PSNR, SSIM, Gaussians, render FPS, training time, selector
+share. A retention sweep reuses the ADC snapshot with shorter S and F (--sweep-score,
+--sweep-finetune). CUDA uses gsplat's rasterizer; the CPU uses renderer.py's dense fallback.
 """
-from __future__ import annotations
-
 import argparse
 import json
+import math
 import os
 import sys
-import tempfile
 import time
+import traceback
 
 import torch
+from torchmetrics.functional.image import structural_similarity_index_measure as ssim_fn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import splat  # noqa: E402
+from lapsum_strategy import LapSumPruneStrategy
+from renderer import blend_weights, rasterize
+from report import write_outputs
+from scene import make_scene
 
-import fastlapsum  # noqa: E402
-
-SCENES = {
-    # 80x80 photo, a few hundred -> 1.2k Gaussians; the paper's 10k/12k/30k scaled to 200/240/600
-    "small": dict(height=80, width=80, image="auto", init_gaussians=250, max_gaussians=1200,
-                  t1=200, t2=240, t3=600, densify_from=40, densify_every=20, grad_thresh=2e-4,
-                  retentions="0.9,0.7,0.5,0.3,0.1"),
-    # 1024x1024 procedural image, 5e5 -> 2e6 Gaussians (the ADC cap), 10k/12k/30k scaled to
-    # 600/720/1800; for a GPU (README "GPU run"): millions of Gaussians, ~2 per pixel.
-    # The gradient threshold is lower: NDC gradients shrink ~1/size; and growth saturates on
-    # this image: from 5e5, 5e-6 stopped at 0.80M and 3e-6 at 1.28M (H200 probe), so 1e-6,
-    # with the cap deciding the count (the largest gradients densify first)
-    "large": dict(height=1024, width=1024, image="procedural", init_gaussians=500_000,
-                  max_gaussians=2_000_000, t1=600, t2=720, t3=1800, densify_from=100,
-                  densify_every=100, grad_thresh=1e-6, retentions="0.3"),
-    # smoke test: a few iterations on a tiny image
-    "quick": dict(height=24, width=24, image="auto", init_gaussians=60, max_gaussians=150,
-                  t1=20, t2=26, t3=40, densify_from=4, densify_every=4, grad_thresh=1e-5,
-                  retentions="0.9,0.7,0.5,0.3,0.1"),
+PRESETS = {
+    "quick": dict(device="cpu", size=16, views=16, n_ref=400, n_init=80, target=200, t1=30,
+                  score_steps=16, finetune_steps=16, sweep_score=8, sweep_finetune=8, batch=2,
+                  refine_every=8, budget_s=600.0, render_reps=1, threads=1),
+    "gpu": dict(device="cuda", size=192, views=128, n_ref=400_000, n_init=120_000, target=1_000_000,
+                t1=800, score_steps=300, finetune_steps=500, sweep_score=100, sweep_finetune=150,
+                batch=4, refine_every=100, budget_s=200.0, render_reps=10, threads=0),
 }
+METHODS = [("none", "no pruning"), ("learned", "learned (soft_topk)"),
+           ("bisection", "learned (60-step bisection)"), ("alphaT", "hard (alpha*T blend weight)"),
+           ("opacity", "hard (opacity)")]
+NAMES = dict(METHODS)
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--scene", choices=["small", "large"], default="small",
-                    help="preset for the flags below (explicit flags override it)")
-    ap.add_argument("--quick", action="store_true", help="tiny image, a few iterations (smoke test)")
-    ap.add_argument("--out", default=None,
-                    help="results folder (default: results/ next to this file for the small scene, "
-                         "a temp folder with --quick or another scene)")
-    ap.add_argument("--backend", choices=["torch", "gsplat"], default="torch",
-                    help="rasterizer; 'gsplat' is a stub (errors unless wired to gsplat.rasterization)")
-    g = ap.add_argument_group("scene")
-    g.add_argument("--image", choices=["auto", "photo", "procedural"], default=None,
-                   help="photo: matplotlib's bundled grace_hopper.jpg; auto: photo if available")
-    g.add_argument("--height", type=int, default=None)
-    g.add_argument("--width", type=int, default=None)
-    g.add_argument("--init-gaussians", type=int, default=None)
-    g.add_argument("--max-gaussians", type=int, default=None, help="ADC cap")
-    g = ap.add_argument_group("schedule (paper: 10000 / 12000 / 30000)")
-    g.add_argument("--t1", type=int, default=None, help="end of ADC, start of score learning")
-    g.add_argument("--t2", type=int, default=None, help="hard prune to exactly K")
-    g.add_argument("--t3", type=int, default=None, help="end of training")
-    g.add_argument("--densify-from", type=int, default=None)
-    g.add_argument("--densify-every", type=int, default=None)
-    g.add_argument("--grad-thresh", type=float, default=None,
-                   help="mean positional-gradient norm (NDC units, as 3DGS) that triggers clone/split")
-    g.add_argument("--clone-scale", type=float, default=1.0,
-                   help="max scale (pixels) up to which a Gaussian is cloned rather than split")
-    g.add_argument("--min-opacity", type=float, default=0.005)
-    g = ap.add_argument_group("pruning")
-    g.add_argument("--retentions", default=None, help="comma list of kept fractions (sweep)")
-    g.add_argument("--headline", type=float, default=0.3, help="retention of the main table and renders")
-    g.add_argument("--score-lr", type=float, default=None,
-                   help="Adam lr of the scores (default: 0.02 x 2000 / (t2 - t1), the paper's 0.02 over "
-                        "its 2000-iteration window, scaled so the scores can travel as far)")
-    g.add_argument("--t-start", type=float, default=3.0, help="mask temperature at T1")
-    g.add_argument("--t-end", type=float, default=0.1, help="mask temperature at T2")
-    g.add_argument("--budget-power", type=float, default=3.0, help="k_t = K + (N - K)(1 - s)^power")
-    g.add_argument("--no-bake", action="store_true",
-                   help="at T2 do not multiply the kept opacities by their final mask value")
-    g = ap.add_argument_group("optimisation")
-    g.add_argument("--lr-means", type=float, default=0.05, help="pixels; decays x0.01 by T3")
-    g.add_argument("--lr-scales", type=float, default=0.01)
-    g.add_argument("--lr-theta", type=float, default=0.01)
-    g.add_argument("--lr-colours", type=float, default=0.01)
-    g.add_argument("--lr-opacity", type=float, default=0.05)
-    g.add_argument("--lambda-ssim", type=float, default=0.2, help="loss (1-l) L1 + l (1 - SSIM)")
-    g.add_argument("--blend", choices=["normalized", "additive"], default="normalized")
-    g.add_argument("--eps", type=float, default=1e-2, help="normalized blend: sum w c / (sum w + eps)")
-    g.add_argument("--max-pairs", type=int, default=1 << 24, help="(Gaussian, pixel) pairs per chunk")
-    g = ap.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (default 1 on cpu: OpenMP barriers on a shared 2-core box cost 100x)")
-    g.add_argument("--render-reps", type=int, default=None, help="renders timed for throughput")
+    ap.add_argument("--quick", action="store_true", help="tiny CPU scene, the smoke test (= --preset quick)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    ap.add_argument("--out", default=None, help="output folder (default: results/ beside this file)")
+    ap.add_argument("--backend", choices=["auto", "gsplat", "torch"], default="auto",
+                    help="auto: gsplat on CUDA, the dense PyTorch fallback on the CPU")
+    for key, val in PRESETS["quick"].items():
+        ap.add_argument("--" + key.replace("_", "-"), type=type(val), default=None)
+    ap.add_argument("--retention", type=float, default=0.3, help="kept fraction of the main table")
+    ap.add_argument("--retentions", default="0.1,0.3,0.5,0.7,0.9", help="sweep; empty to skip")
+    ap.add_argument("--t-start", type=float, default=1.0)
+    ap.add_argument("--t-end", type=float, default=0.05)
+    ap.add_argument("--budget-power", type=float, default=2.0)
+    ap.add_argument("--score-lr", type=float, default=0.02)
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    preset = SCENES["quick" if args.quick else args.scene]
-    for k, v in preset.items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
-    if not args.t1 < args.t2 <= args.t3:
-        ap.error("need t1 < t2 <= t3")
-    if args.score_lr is None:
-        args.score_lr = 0.02 * 2000 / (args.t2 - args.t1)
-    if args.render_reps is None:
-        args.render_reps = 3 if args.quick else 20
-    args.retention_list = sorted({float(r) for r in args.retentions.split(",")}, reverse=True)
-    if args.headline not in args.retention_list:
-        args.retention_list = sorted(set(args.retention_list) | {args.headline}, reverse=True)
-    if args.out is None:  # only the small default run writes the committed results/
-        if args.quick or args.scene != "small":
-            args.out = tempfile.mkdtemp(prefix=f"gaussian_splatting_{'quick' if args.quick else args.scene}_")
-        else:
-            args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    preset = PRESETS[args.preset or ("quick" if args.quick else "gpu")]
+    for key, val in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, val)
+    if not 0 < args.retention < 1:
+        ap.error(f"--retention must be in (0, 1), got {args.retention}")
+    args.sweep = [float(r) for r in args.retentions.split(",") if r.strip()]
+    if any(not 0 < r < 1 for r in args.sweep):
+        ap.error(f"--retentions must lie in (0, 1), got {args.retentions}")
     return args
 
 
-# ----------------------------------------------------------------------------- helpers
+class Clock:
+    """Wall budget shared by the phases: a phase of n planned steps gets the remaining time
+    times n over the remaining planned steps, so an overrun early shrinks what follows."""
 
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    def __init__(self, budget_s, planned_steps, dev, reserve=0.12):
+        self.t0, self.budget, self.left_steps, self.dev = time.perf_counter(), budget_s, planned_steps, dev
+        self.reserve = reserve
 
+    def now(self):
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+        return time.perf_counter()
 
-def clock(dev):
-    """Seconds for timing: wall clock on a GPU (callers sync around it); on the CPU the
-    process's CPU time (one thread), which a shared, oversubscribed machine does not inflate."""
-    return time.perf_counter() if dev.type == "cuda" else time.process_time()
+    def elapsed(self):
+        return time.perf_counter() - self.t0
 
-
-try:  # progress bars: tqdm if installed, else one self-overwriting line
-    from tqdm import tqdm as _tqdm
-except ImportError:  # pragma: no cover
-    _tqdm = None
-
-
-class Progress:
-    def __init__(self, tag, total):
-        self.tag, self.total, self.i = tag, total, 0
-        self.bar = _tqdm(total=total, desc=tag, leave=True, mininterval=0.5) if _tqdm else None
-        self.last = 0.0
-
-    def update(self, info: str):
-        self.i += 1
-        if self.bar is not None:
-            self.bar.set_postfix_str(info, refresh=False)
-            self.bar.update(1)
-            if self.i == self.total:
-                self.bar.close()
-            return
-        now = time.perf_counter()
-        if now - self.last < 0.5 and self.i < self.total:
-            return
-        self.last = now
-        bar = "#" * int(20 * self.i / max(self.total, 1))
-        end = "\n" if self.i >= self.total else ""
-        print(f"\r  {self.tag:<16} [{bar:<20}] {self.i:>5}/{self.total} {info}", end=end, flush=True)
+    def cap(self, steps, weight=1.0):
+        left = max(self.budget * (1 - self.reserve) - self.elapsed(), 0.0)
+        share = min(left, left * weight * steps / max(self.left_steps, 1))
+        self.left_steps = max(self.left_steps - steps, 0)
+        return share
 
 
-def lrs(args):
-    return dict(means=args.lr_means, log_scales=args.lr_scales, theta=args.lr_theta,
-                colours=args.lr_colours, opacity_logit=args.lr_opacity)
+def log(msg, clock=None):
+    stamp = f"[{clock.elapsed():7.1f}s] " if clock else ""
+    print(stamp + msg, flush=True)
 
 
-def set_lr(g: splat.Gaussians, it: int, args):
-    """3DGS: the position lr decays exponentially (x0.01 over the run); the rest are constant."""
-    for grp in g.opt.param_groups:
-        if grp["name"] == "means":
-            grp["lr"] = args.lr_means * 0.01 ** min(it / args.t3, 1.0)
+def make_params(src, dev):
+    params = torch.nn.ParameterDict({k: torch.nn.Parameter(v.detach().clone().to(dev)) for k, v in src.items()})
+    return params
 
 
-def loss_fn(img, target, lam):
-    l1 = (img - target).abs().mean()
-    if lam == 0:
-        return l1
-    return (1 - lam) * l1 + lam * (1 - splat.ssim(img, target))
+def make_optimizers(params, spacing):
+    lrs = dict(means=0.1 * spacing, quats=1e-3, scales=5e-3, opacities=5e-2, colors=1e-2)
+    return {k: torch.optim.Adam([params[k]], lr=lr, eps=1e-15) for k, lr in lrs.items()}
 
 
-class ScoreLearner:
-    """One score per Gaussian; mask = soft_topk(scores, k_t, t_t) with sum exactly k_t.
-    Times every soft_topk call: the forward around the call, the backward from the hook on
-    the mask's gradient to the hook on the scores' gradient; synced on the GPU."""
-
-    def __init__(self, n, K, args, dev):
-        self.scores = torch.nn.Parameter(torch.zeros(n, device=dev))
-        self.opt = torch.optim.Adam([self.scores], lr=args.score_lr)
-        self.N, self.K, self.args, self.dev = n, K, args, dev
-        self.fwd_s = self.bwd_s = 0.0
-        self.calls = 0
-        self._t_bwd = None
-        self.scores.register_hook(self._bwd_end)
-
-    def schedule(self, it):
-        a = self.args
-        s = (it - a.t1 + 1) / (a.t2 - a.t1)  # (0, 1]: k = K and t = t_end at the last step
-        k = self.K + (self.N - self.K) * (1 - s) ** a.budget_power
-        t = a.t_start * (a.t_end / a.t_start) ** s
-        return k, t
-
-    def mask(self, k, t, grad=True):
-        sync(self.dev)
-        t0 = clock(self.dev)
-        p = fastlapsum.soft_topk(self.scores if grad else self.scores.detach(), k, t)
-        sync(self.dev)
-        self.fwd_s += clock(self.dev) - t0
-        self.calls += 1
-        if grad:
-            p.register_hook(self._bwd_start)
-        return p
-
-    def _bwd_start(self, grad):  # the mask's gradient is ready: soft_topk's backward is next
-        sync(self.dev)
-        self._t_bwd = clock(self.dev)
-        return grad
-
-    def _bwd_end(self, grad):  # the scores' gradient is computed: soft_topk's backward is done
-        if self._t_bwd is not None:
-            sync(self.dev)
-            self.bwd_s += clock(self.dev) - self._t_bwd
-            self._t_bwd = None
-        return grad
+def init_params(scene, n_init, seed):
+    gen = torch.Generator().manual_seed(seed + 1)
+    ref = scene["ref"]
+    n_ref = ref["means"].shape[0]
+    idx = torch.randperm(n_ref, generator=gen)[:n_init].to(ref["means"].device)
+    spacing = math.sqrt(12.0 / n_init)
+    means = ref["means"][idx] + 0.3 * spacing * torch.randn(n_init, 3, generator=gen).to(ref["means"].device)
+    dev = means.device
+    return dict(means=means, quats=torch.randn(n_init, 4, generator=gen).to(dev),
+                scales=torch.full((n_init, 3), math.log(0.7 * spacing), device=dev),
+                opacities=torch.full((n_init,), math.log(0.3 / 0.7), device=dev),
+                colors=torch.zeros(n_init, 3, device=dev)), spacing
 
 
-def train_range(g: splat.Gaussians, target, args, it_from, it_to, tag, *, adc=False, learner=None,
-                stat=None):
-    """Iterations [it_from, it_to). adc: densify/prune as 3DGS; learner: multiply opacity by
-    its soft mask; stat: accumulate footprint x opacity per Gaussian (in place)."""
-    H, W, _ = target.shape
-    dev = target.device
-    prog = Progress(tag, it_to - it_from)
-    grad_acc = torch.zeros(g.n, device=dev)
-    grad_cnt = 0
-    events = []
-    ndc = torch.tensor([W / 2, H / 2], device=dev)  # pixel -> NDC gradient units
-    for it in range(it_from, it_to):
-        set_lr(g, it, args)
-        mask = None
-        if learner is not None:
-            k, t = learner.schedule(it)
-            mask = learner.mask(k, t)
-        out = g.render(H, W, mask=mask, blend=args.blend, eps=args.eps, max_pairs=args.max_pairs,
-                       return_contrib=stat is not None)
-        img, contrib = out if stat is not None else (out, None)
-        loss = loss_fn(img, target, args.lambda_ssim)
-        g.opt.zero_grad(set_to_none=True)
-        if learner is not None:
-            learner.opt.zero_grad(set_to_none=True)
+def render(params, opac, viewmats, Ks, scene, backend):
+    return rasterize(params["means"], params["quats"], torch.exp(params["scales"]), opac,
+                     torch.sigmoid(params["colors"]), viewmats, Ks, scene["width"], scene["height"], backend)
+
+
+def train(params, opts, scene, args, steps, step0, gen, clock, tag, *, strategy=None, sstate=None,
+          adc=None, adc_state=None):
+    """steps of training from step0; stops early at its share of the wall budget (ADC may
+    take twice its share: the size it reaches is what every method starts from)."""
+    cap = clock.cap(steps, 2.0 if adc is not None else 1.0)
+    t0 = clock.now()
+    ids = scene["train"]
+    done, loss = 0, torch.tensor(float("nan"))
+    for it in range(step0, step0 + steps):
+        if time.perf_counter() - t0 > cap:
+            log(f"{tag}: time cap {cap:.1f}s reached after {done}/{steps} steps", clock)
+            break
+        cams = ids[torch.randint(len(ids), (args.batch,), generator=gen).to(ids.device)]
+        opac = strategy.opacities(params, sstate, it) if strategy else torch.sigmoid(params["opacities"])
+        img, _, info = render(params, opac, scene["viewmats"][cams], scene["Ks"][cams], scene, args.backend)
+        if adc is not None:
+            adc.step_pre_backward(params, opts, adc_state, it, info)
+        gt = scene["images"][cams].permute(0, 3, 1, 2)
+        pred = img.permute(0, 3, 1, 2)
+        loss = 0.8 * (pred - gt).abs().mean() + 0.2 * (1 - ssim_fn(pred, gt, data_range=1.0))
         loss.backward()
-        if adc:
-            gm = g.p["means"].grad
-            grad_acc += (gm * ndc).norm(dim=1)
-            grad_cnt += 1
-        g.opt.step()
-        if learner is not None:
-            learner.opt.step()
-        if stat is not None:
-            stat += contrib
-        if adc and it + 1 >= args.densify_from and (it + 1) % args.densify_every == 0 and it + 1 < it_to:
-            ev = splat.densify_and_prune(g, grad_acc / max(grad_cnt, 1), grad_thresh=args.grad_thresh,
-                                         clone_scale=args.clone_scale, min_opacity=args.min_opacity,
-                                         max_gaussians=args.max_gaussians)
-            events.append(ev)
-            grad_acc = torch.zeros(g.n, device=dev)
-            grad_cnt = 0
-        if (it - it_from) % 10 == 0 or it + 1 == it_to:  # .item() syncs: not every step
-            info = f"loss {loss.item():.4f} N {g.n}"
-            if learner is not None:
-                info += f" k {k:.0f} T {t:.2f}"
-        prog.update(info)
-    return events
+        for o in opts.values():
+            o.step()
+            o.zero_grad(set_to_none=True)
+        if adc is not None:
+            _adc_step(adc, adc_state, params, opts, it, info, args)
+        if strategy is not None:
+            strategy.step_post_backward(params, opts, sstate, it, info)
+        done += 1
+    secs = clock.now() - t0
+    log(f"{tag}: {done} steps in {secs:.1f}s, {params['means'].shape[0]} Gaussians, loss {loss.item():.4f}", clock)
+    return dict(steps=done, seconds=secs)
+
+
+def _adc_step(adc, state, params, opts, it, info, args):
+    n = params["means"].shape[0]
+    if n >= args.target:
+        adc.refine_stop_iter = min(adc.refine_stop_iter, it)
+    if it >= adc.refine_stop_iter:
+        return
+    if it > adc.refine_start_iter and it % adc.refine_every == 0 and state["count"] is not None:
+        # grow the Gaussians with the largest mean screen-space gradient (ADC's criterion), at
+        # most 80 % of them per refine, the threshold picked so the size lands just past --target
+        g = (state["grad2d"] / state["count"].clamp_min(1))[state["count"] > 0]
+        if g.numel():
+            frac = min(max(args.target * 1.05 / n - 1, 0.05), 0.8)  # aim just past the target
+            q = max(1, int((1 - frac) * g.numel()))
+            adc.grow_grad2d = float(torch.kthvalue(g.float().cpu(), q).values)
+    adc.step_post_backward(params, opts, state, it, info, packed=False)
+    if it > adc.refine_start_iter and it % adc.refine_every == 0:
+        log(f"ADC step {it}: {n} -> {params['means'].shape[0]} Gaussians")
 
 
 @torch.no_grad()
-def evaluate(g: splat.Gaussians, target, args):
-    H, W, _ = target.shape
-    img = g.render(H, W, blend=args.blend, eps=args.eps, max_pairs=args.max_pairs).clamp(0, 1)
-    return dict(psnr=splat.psnr(img, target), ssim=splat.ssim(img, target).item(), image=img.cpu())
+def evaluate(params, scene, args, reps):
+    ids = scene["test"]
+    opac = torch.sigmoid(params["opacities"])
+    preds = torch.cat([render(params, opac, scene["viewmats"][ids[i:i + 8]], scene["Ks"][ids[i:i + 8]], scene,
+                              args.backend)[0].clamp(0, 1) for i in range(0, len(ids), 8)])
+    gt = scene["images"][ids]
+    mse = ((preds - gt) ** 2).flatten(1).mean(1)
+    psnr = (-10 * torch.log10(mse.clamp_min(1e-12))).mean().item()
+    ssim = ssim_fn(preds.permute(0, 3, 1, 2), gt.permute(0, 3, 1, 2), data_range=1.0).item()
+    dev = preds.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    render(params, opac, scene["viewmats"][ids[:1]], scene["Ks"][ids[:1]], scene, args.backend)  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        for i in ids:
+            render(params, opac, scene["viewmats"][i:i + 1], scene["Ks"][i:i + 1], scene, args.backend)
+    sync()
+    fps = reps * len(ids) / (time.perf_counter() - t0)
+    return dict(psnr=psnr, ssim=ssim, fps=fps, n=params["means"].shape[0]), preds[0].cpu()
 
 
-@torch.no_grad()
-def renders_per_s(g: splat.Gaussians, target, args):
-    H, W, _ = target.shape
-    dev = target.device
-    for _ in range(2):
-        g.render(H, W, blend=args.blend, eps=args.eps, max_pairs=args.max_pairs)
-    times = []
-    for _ in range(args.render_reps):
-        sync(dev)
-        t0 = clock(dev)
-        g.render(H, W, blend=args.blend, eps=args.eps, max_pairs=args.max_pairs)
-        sync(dev)
-        times.append(clock(dev) - t0)
-    return 1.0 / sorted(times)[len(times) // 2]
+def hard_prune(params, opts, keep_scores, K):
+    from gsplat.strategy import ops
+
+    drop = torch.ones(keep_scores.shape[0], dtype=torch.bool, device=keep_scores.device)
+    drop[torch.topk(keep_scores, K, sorted=False).indices] = False
+    ops.remove(params, opts, {}, drop)
 
 
-def timed(dev, fn, *a, **kw):
-    sync(dev)
-    t0 = clock(dev)
-    r = fn(*a, **kw)
-    sync(dev)
-    return r, clock(dev) - t0
+def blend_importance(params, scene, args, clock, cache_key):
+    """(alpha*T summed over the training views, the seconds that pass took), computed once per
+    snapshot (cache_key) and charged to every run that uses it."""
+    cache = scene.setdefault("importance", {})  # snapshots live as long as the scene
+    if cache_key not in cache:
+        ids = scene["train"]
+        t0 = clock.now()
+        w = blend_weights(params["means"], params["quats"], torch.exp(params["scales"]),
+                          torch.sigmoid(params["opacities"]), scene["viewmats"][ids], scene["Ks"][ids],
+                          scene["width"], scene["height"], args.backend)
+        cache[cache_key] = (w, clock.now() - t0)
+    return cache[cache_key]
 
 
-# ----------------------------------------------------------------------------- the run
+def run_method(method, K, S, F, snap, pre, scene, args, spacing, clock, step0, pre_seconds=0.0):
+    """One method from the ADC snapshot (learned) or the post-S snapshot (hard / none)."""
+    dev = scene["images"].device
+    gen = torch.Generator().manual_seed(args.seed + 7)
+    tag = f"{method}@{K}"
+    if method in ("learned", "bisection"):
+        params = make_params(snap, dev)
+        opts = make_optimizers(params, spacing)
+        w, init_s = blend_importance(params, scene, args, clock, id(snap))
+        init = torch.log(w + 1e-6)
+        strat = LapSumPruneStrategy(keep=K, score_start=step0, prune_at=step0 + S - 1, t_start=args.t_start,
+                                    t_end=args.t_end, budget_power=args.budget_power, score_lr=args.score_lr,
+                                    solver="lapsum" if method == "learned" else "bisection")
+        sstate = strat.initialize_state(params, init)
+        r1 = train(params, opts, scene, args, S, step0, gen, clock, tag + " score", strategy=strat, sstate=sstate)
+        if not sstate["pruned"]:  # the phase was cut short by its time cap
+            strat.prune(params, opts, sstate)
+        mask = sstate["last_mask"]
+        extra = dict(selector_s=strat.selector_seconds(sstate), selector_calls=sstate["calls"],
+                     mask_sum_err=abs(mask.double().sum().item() - sstate["last_k"]) if mask is not None else None,
+                     n_after_prune=sstate["n_after_prune"])
+        train_s = init_s + r1["seconds"]
+        steps_done = r1["steps"]
+    else:
+        params = make_params(pre, dev)
+        opts = make_optimizers(params, spacing)
+        train_s, steps_done, extra = pre_seconds, S, {}
+        if method != "none":
+            if method == "alphaT":
+                stat, secs = blend_importance(params, scene, args, clock, id(pre))
+                train_s += secs
+            else:
+                stat = params["opacities"].detach()
+            hard_prune(params, opts, stat, K)
+            extra["n_after_prune"] = params["means"].shape[0]
+    r2 = train(params, opts, scene, args, F, step0 + S, gen, clock, tag + " fine-tune")
+    train_s += r2["seconds"]
+    metrics, view = evaluate(params, scene, args, args.render_reps)
+    row = dict(method=method, name=NAMES[method], K=K, steps=steps_done + r2["steps"], train_s=train_s, **metrics,
+               **extra)
+    if "selector_s" in row:
+        row["selector_share"] = row["selector_s"] / max(train_s, 1e-9)
+    log(f"{tag}: PSNR {metrics['psnr']:.2f} SSIM {metrics['ssim']:.4f} N {metrics['n']} "
+        f"FPS {metrics['fps']:.0f} train {train_s:.1f}s", clock)
+    return row, view
+
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.backend == "gsplat":
-        try:
-            import gsplat  # noqa: F401
-        except ImportError:
-            raise SystemExit("--backend gsplat: gsplat is not installed (pip install gsplat); "
-                             "the default --backend torch needs nothing beyond torch")
-        raise SystemExit("--backend gsplat is a stub: gsplat.rasterization is not wired in yet; "
-                         "use --backend torch")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available (use --quick or --device cpu)")
     dev = torch.device(args.device)
-    if args.threads is not None:
+    if args.threads > 0:  # tiny CPU tensors: more threads only add contention
         torch.set_num_threads(args.threads)
-    elif dev.type == "cpu":
-        torch.set_num_threads(1)
-    t_run = time.perf_counter()
     torch.manual_seed(args.seed)
-    target, source = splat.load_image((args.height, args.width), args.image)
-    target = target.to(dev)
-    H, W, _ = target.shape
-    print(f"target {H}x{W} ({source}), device {dev}, threads {torch.get_num_threads()}")
-    gen = torch.Generator().manual_seed(args.seed)
-    L = lrs(args)
-
-    # --- 0 .. T1: ADC, shared by all methods
-    g = splat.Gaussians.init_random(args.init_gaussians, target, L, gen)
-    events, t_adc = timed(dev, train_range, g, target, args, 0, args.t1, "ADC", adc=True)
-    n_adc = g.n
-    snap_t1 = g.state_dict()
-    print(f"ADC: {args.init_gaussians} -> {n_adc} Gaussians in {t_adc:.1f} s "
-          f"({sum(e['cloned'] for e in events)} clones, {sum(e['split'] for e in events)} splits)")
-
-    results = {}
-
-    # --- reference: no pruning, T1 .. T3; it also accumulates the footprint statistic over
-    # T1 .. T2 and is snapshotted at T2: the hard control is the reference up to T2
-    torch.manual_seed(args.seed + 1)
-    stat = torch.zeros(n_adc, device=dev)
-    _, t_a = timed(dev, train_range, g, target, args, args.t1, args.t2, "reference", stat=stat)
-    snap_t2 = g.state_dict()
-    _, t_b = timed(dev, train_range, g, target, args, args.t2, args.t3, "reference")
-    results["reference"] = dict(g=g, train_s=t_adc + t_a + t_b)
-    t_ref_to_t2 = t_a
-
-    for r in args.retention_list:
-        K = round(r * n_adc)
-        # --- learned: score learning T1 .. T2, exact top-K at T2, recovery to T3
-        torch.manual_seed(args.seed + 1)
-        g = splat.Gaussians.from_state(snap_t1, L)
-        learner = ScoreLearner(n_adc, K, args, dev)
-        _, t_a = timed(dev, train_range, g, target, args, args.t1, args.t2, f"learned {r:.0%}",
-                       learner=learner)
-
-        def prune_learned():
-            with torch.no_grad():
-                p = learner.mask(K, args.t_end, grad=False)  # recomputed after the last update
-                idx = fastlapsum.topk(learner.scores.detach(), K)[1]
-                if not args.no_bake:  # opacity x final mask: the render does not jump at T2
-                    o = (g.opacity() * p)[idx].clamp(1e-6, 1 - 1e-6)
-                g.keep(idx)
-                if not args.no_bake:
-                    g.p["opacity_logit"].copy_(torch.log(o) - torch.log1p(-o))
-            return p
-
-        p_final, t_p = timed(dev, prune_learned)
-        assert g.n == K, (g.n, K)
-        n_after_prune = g.n
-        mask_sum_err = abs(p_final.double().sum().item() - K)
-        _, t_b = timed(dev, train_range, g, target, args, args.t2, args.t3, f"learned {r:.0%}")
-        results[("learned", r)] = dict(g=g, K=K, n_after_prune=n_after_prune,
-                                       train_s=t_adc + t_a + t_p + t_b, selector_fwd_s=learner.fwd_s,
-                                       selector_bwd_s=learner.bwd_s, selector_calls=learner.calls,
-                                       mask_sum_err=mask_sum_err,
-                                       mask_at_prune=dict(kept_min=float(p_final.topk(K).values.min()),
-                                                          dropped_max=float(p_final.topk(K + 1).values[-1])
-                                                          if K < n_adc else None))
-
-        # --- hard control: the reference at T2, top-K by accumulated footprint x opacity
-        torch.manual_seed(args.seed + 1)
-        g = splat.Gaussians.from_state(snap_t2, L)
-
-        def prune_hard():
-            g.keep(fastlapsum.topk(stat, K)[1])
-
-        _, t_p = timed(dev, prune_hard)
-        assert g.n == K, (g.n, K)
-        _, t_b = timed(dev, train_range, g, target, args, args.t2, args.t3, f"hard {r:.0%}")
-        results[("hard", r)] = dict(g=g, K=K, n_after_prune=g.n, train_s=t_adc + t_ref_to_t2 + t_p + t_b)
-
-    # --- evaluation (not timed as training)
-    for key, res in results.items():
-        res.update(evaluate(res["g"], target, args))
-        res["renders_per_s"] = renders_per_s(res["g"], target, args)
-        res["n_final"] = res["g"].n
-        res["size_bytes"] = res["g"].n * splat.BYTES_PER_GAUSSIAN
-    ref = results["reference"]
-    rows = [dict(method="reference (no pruning)", retention=1.0, K=n_adc, n_final=ref["n_final"],
-                 psnr=ref["psnr"], ssim=ref["ssim"], dpsnr=0.0, dssim=0.0, train_s=ref["train_s"],
-                 renders_per_s=ref["renders_per_s"], size_bytes=ref["size_bytes"])]
-    for r in args.retention_list:
-        for m, name in (("learned", "learned (soft_topk)"), ("hard", "hard (footprint x opacity)")):
-            res = results[(m, r)]
-            row = dict(method=name, retention=r, K=res["K"], n_after_prune=res["n_after_prune"],
-                       n_final=res["n_final"], psnr=res["psnr"], ssim=res["ssim"],
-                       dpsnr=res["psnr"] - ref["psnr"], dssim=res["ssim"] - ref["ssim"],
-                       train_s=res["train_s"], renders_per_s=res["renders_per_s"],
-                       size_bytes=res["size_bytes"])
-            if m == "learned":
-                row.update(selector_fwd_s=res["selector_fwd_s"], selector_bwd_s=res["selector_bwd_s"],
-                           selector_calls=res["selector_calls"], mask_sum_err=res["mask_sum_err"],
-                           mask_at_prune=res["mask_at_prune"])
-            rows.append(row)
-    wall = time.perf_counter() - t_run
-    meta = dict(device=str(dev), gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
-                torch=torch.__version__, threads=torch.get_num_threads(), image=source, height=H, width=W,
-                n_init=args.init_gaussians, n_adc=n_adc, adc_s=t_adc, wall_s=wall,
-                cpu_s=time.process_time(),
-                args={k: v for k, v in vars(args).items() if k not in ("retention_list",)})
-    tables = write_outputs(rows, meta, results, target, args)
-    print(tables)
-    print(f"wall time {wall:.0f} s (CPU {meta['cpu_s']:.0f} s); results written to {args.out}")
-    return dict(rows=rows, meta=meta, results=results, tables=tables)
-
-
-# ----------------------------------------------------------------------------- outputs
-
-def _fmt_bytes(b):
-    return f"{b / 1024:.1f} KiB" if b < 1 << 20 else f"{b / (1 << 20):.1f} MiB"
-
-
-def write_outputs(rows, meta, results, target, args):
-    out = args.out
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    ref = rows[0]
-    hl = args.headline
-    head = [ref] + [r for r in rows[1:] if r["retention"] == hl]
-    lines = [f"| method | kept | Gaussians | PSNR (dB) | ΔPSNR | SSIM | ΔSSIM | train s | renders/s | size |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in head:
-        lines.append(f"| {r['method']} | {100 * r['retention']:.0f} % | {r['n_final']:,} | {r['psnr']:.2f} | "
-                     f"{r['dpsnr']:+.2f} | {r['ssim']:.4f} | {r['dssim']:+.4f} | {r['train_s']:.1f} | "
-                     f"{r['renders_per_s']:.1f} | {_fmt_bytes(r['size_bytes'])} |")
-    main_table = "\n".join(lines)
-    sweep = ["| kept | K | learned PSNR | hard PSNR | learned ΔPSNR | hard ΔPSNR | learned SSIM | hard SSIM |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in args.retention_list:
-        a = next(x for x in rows if x["retention"] == r and x["method"].startswith("learned"))
-        b = next(x for x in rows if x["retention"] == r and x["method"].startswith("hard"))
-        sweep.append(f"| {100 * r:.0f} % | {a['K']:,} | {a['psnr']:.2f} | {b['psnr']:.2f} | {a['dpsnr']:+.2f} | "
-                     f"{b['dpsnr']:+.2f} | {a['ssim']:.4f} | {b['ssim']:.4f} |")
-    sweep_table = "\n".join(sweep)
-    learned = [x for x in rows if x["method"].startswith("learned")]
-    sel = ["| kept | soft_topk calls | forward s | backward s | per call ms (fwd+bwd) | mask sum - K at T2 |",
-           "|---:|---:|---:|---:|---:|---:|"]
-    for x in learned:
-        sel.append(f"| {100 * x['retention']:.0f} % | {x['selector_calls']} | {x['selector_fwd_s']:.3f} | "
-                   f"{x['selector_bwd_s']:.3f} | "
-                   f"{1e3 * (x['selector_fwd_s'] + x['selector_bwd_s']) / max(x['selector_calls'], 1):.3f} | "
-                   f"{x['mask_sum_err']:.1e} |")
-    sel_table = "\n".join(sel)
-    a = meta["args"]
-    note = (f"{meta['height']}x{meta['width']} {meta['image']}, {meta['device']}"
-            f"{' (' + meta['gpu'] + ')' if meta['gpu'] else ''}, torch {meta['torch']}, "
-            f"{meta['threads']} thread(s), seed {a['seed']}. ADC {a['init_gaussians']} -> {meta['n_adc']:,} Gaussians "
-            f"(N_ADC) by T1 = {a['t1']}; score learning (Adam lr {a['score_lr']:.3g}, temperature "
-            f"{a['t_start']} -> {a['t_end']}) / footprint accumulation T1..T2 = {a['t2']}; "
-            f"exact top-K at T2, K = round(kept x N_ADC); recovery to T3 = {a['t3']}. PSNR/SSIM: the fitted "
-            f"image against the target (one image, no held-out view). Times are "
-            f"{'wall clock with CUDA sync' if meta['device'].startswith('cuda') else 'process CPU time (1 thread; a shared machine does not inflate it)'}. "
-            f"Train s: ADC + the method's own iterations, without evaluation. Renders/s: median of "
-            f"{a['render_reps']} renders of the final model. Size: Gaussians x {splat.BYTES_PER_GAUSSIAN} bytes (fp32 mean, scales, "
-            f"angle, rgb, opacity). Whole run: {meta['wall_s']:.0f} s wall, {meta['cpu_s']:.0f} s CPU.")
-    md = (f"# Gaussian splatting pruning results ({meta['device']})\n\n"
-          f"## At {100 * hl:.0f} % retention\n\n{main_table}\n\n"
-          f"## Retention sweep (Δ vs the reference, {ref['psnr']:.2f} dB / {ref['ssim']:.4f})\n\n{sweep_table}\n\n"
-          f"## Time in the selector (learned runs, T1..T2)\n\n{sel_table}\n\n{note}\n")
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(md)
+    S, F, Ss, Fs = args.score_steps, args.finetune_steps, args.sweep_score, args.sweep_finetune
+    planned = args.t1 + S + 3 * F + 2 * (S + F) + Ss + len(args.sweep) * (2 * Ss + 3 * Fs)
+    clock = Clock(args.budget_s, planned, dev)
+    res = dict(meta=dict(args=vars(args), device=str(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else "cpu"),
+               rows=[], sweep=[], phases={}, errors=[])
+    views = {}
+
+    def save(plots=False):
+        write_outputs(res, views, out, plots)
+
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: skipping the PNGs")
-        return md
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for m, style in (("learned", "o-"), ("hard", "s--")):
-        pts = sorted((100 * x["retention"], x["psnr"]) for x in rows if x["method"].startswith(m))
-        ax.plot(*zip(*pts), style, label=next(x["method"] for x in rows if x["method"].startswith(m)))
-    ax.axhline(ref["psnr"], color="gray", lw=1, ls=":", label="reference (no pruning)")
-    ax.set_xlabel("Gaussians kept (%)")
-    ax.set_ylabel("PSNR (dB)")
-    ax.invert_xaxis()
-    ax.legend(fontsize=8)
-    ax.set_title(f"{meta['height']}x{meta['width']}, N_ADC = {meta['n_adc']:,}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "psnr_vs_retention.png"), dpi=100)
-    plt.close(fig)
-    panels = [("ground truth", target.cpu(), None),
-              ("reference", results["reference"]["image"], results["reference"]),
-              (f"learned {100 * hl:.0f} %", results[("learned", hl)]["image"], results[("learned", hl)]),
-              (f"hard {100 * hl:.0f} %", results[("hard", hl)]["image"], results[("hard", hl)])]
-    fig, axs = plt.subplots(1, 4, figsize=(10, 2.9))
-    for ax, (title, img, res) in zip(axs, panels):
-        ax.imshow(img.clamp(0, 1).numpy(), interpolation="nearest")
-        if res is not None:
-            title += f"\n{res['psnr']:.2f} dB, {res['n_final']:,} G"
-        ax.set_title(title, fontsize=9)
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "renders.png"), dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return md
+        t0 = clock.now()
+        scene = make_scene(args.n_ref, args.views, args.size, args.size, dev, args.backend, seed=args.seed)
+        res["phases"]["scene_s"] = clock.now() - t0
+        views["ground truth"] = scene["images"][scene["test"][0]].cpu()
+        log(f"scene: {args.n_ref} reference Gaussians, {len(scene['train'])} train / {len(scene['test'])} "
+            f"held-out views at {args.size}px ({res['phases']['scene_s']:.1f}s)", clock)
+
+        from gsplat.strategy import DefaultStrategy
+
+        init, spacing = init_params(scene, args.n_init, args.seed)
+        params = make_params(init, dev)
+        opts = make_optimizers(params, spacing)
+        adc = DefaultStrategy(refine_start_iter=args.refine_every // 2, refine_every=args.refine_every,
+                              refine_stop_iter=args.t1, reset_every=10 ** 9, prune_opa=0.005)
+        adc_state = adc.initialize_state(scene_scale=1.5)
+        gen = torch.Generator().manual_seed(args.seed + 3)
+        r = train(params, opts, scene, args, args.t1, 0, gen, clock, "ADC", adc=adc, adc_state=adc_state)
+        res["phases"]["adc_s"] = r["seconds"]
+        snap = {k: v.detach().clone() for k, v in params.items()}
+        n_adc = snap["means"].shape[0]
+        res["meta"].update(n_init=args.n_init, n_adc=n_adc, adc_steps=r["steps"])
+        del params, opts, adc_state
+        K = round(args.retention * n_adc)
+        res["meta"]["K"] = K
+        # the hard baselines and "no pruning" share the S plain steps after the snapshot
+        params = make_params(snap, dev)
+        opts = make_optimizers(params, spacing)
+        r = train(params, opts, scene, args, S, args.t1, torch.Generator().manual_seed(args.seed + 7), clock, "plain")
+        pre, pre_s = {k: v.detach().clone() for k, v in params.items()}, r["seconds"]
+        res["phases"]["plain_s"] = pre_s
+        del params, opts
+    except KeyboardInterrupt:
+        res["errors"].append("interrupted during scene/ADC")
+        save()
+        return res
+    save()
+
+    def attempt(target, method, K, S_, F_, pre_, pre_s_, label):
+        try:
+            row, view = run_method(method, K, S_, F_, snap, pre_, scene, args, spacing, clock, args.t1, pre_s_)
+            row["retention"] = K / n_adc
+            target.append(row)
+            if label:
+                views[label] = view
+        except KeyboardInterrupt:
+            raise
+        except Exception:
+            res["errors"].append(f"{method}@{K}: {traceback.format_exc()}")
+            log(res["errors"][-1], clock)
+        save()
+
+    try:
+        for method, name in METHODS:
+            attempt(res["rows"], method, K, S, F, pre, pre_s, name)
+        save(plots=True)
+        if args.sweep:
+            params = make_params(snap, dev)
+            opts = make_optimizers(params, spacing)
+            r = train(params, opts, scene, args, Ss, args.t1, torch.Generator().manual_seed(args.seed + 7), clock,
+                      "sweep plain")
+            pre_sw = {k: v.detach().clone() for k, v in params.items()}
+            del params, opts
+            for ret in args.sweep:
+                for method in ("learned", "alphaT", "opacity"):
+                    attempt(res["sweep"], method, round(ret * n_adc), Ss, Fs, pre_sw, r["seconds"], None)
+    except KeyboardInterrupt:
+        res["errors"].append("interrupted")
+    res["phases"]["total_s"] = clock.elapsed()
+    save(plots=True)
+    log(f"done in {clock.elapsed():.1f}s; outputs in {out}", clock)
+    return res
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
