@@ -156,7 +156,7 @@ warp_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in
   write_mask<scalar_t, kItems, kLanes>(row, p_out + r * n, n, sign, b, t, edge, log_mode, lane);
 }
 
-// The warp regime (soft_regime_cuda, threshold_cuda.h) holds rows of at most warp_row_max.
+// The warp regime (soft_regime_cuda, plan_soft.h) holds rows of at most warp_row_max.
 static_assert(SoftTuning::warp_row_max(false) <= 32 * 32 && SoftTuning::warp_row_max(true) <= 32 * 32,
               "warp_rows walks a lane's keys a lane each: at most 32 keys a lane");
 
