@@ -109,6 +109,44 @@ def test_soft_regime_reads_no_data():
         assert a == b == fl.SOFT_REGIME_NAMES[torch.ops.fastlapsum.soft_regime(torch.empty(0, n), fl.functional.METHODS[method])]
 
 
+# The branches of the long-row launch plan (plan_long_rows, csrc/cuda/soft/plan_soft.h; the
+# comments give the H200's 132 SMs): whether the gathering level proposes for itself or a
+# propose launch runs, whether the middle set is solved on chip or binned, the radix bracket.
+LONG_PLAN_CELLS = [
+    (1, 65536, torch.float32, "bracket"),  # one tile a block, all in flight: self-propose; on-chip middle set
+    (64, 65536, torch.float32, "bracket"),  # blocks a row cut by the wave: a propose launch
+    (2, (1 << 21) + 4096, torch.float32, "bracket"),  # two tiles a block; past 2^21: binned middle set
+    (2, 300000, F64, "bracket"),  # fp64: binned middle set
+    (2, 5000, torch.float32, "sort"),  # radix-rows: the radix bracket alone, a one-block propose
+]
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows, n, dtype, method", LONG_PLAN_CELLS)
+def test_long_rows_plan(rows, n, dtype, method):
+    """Gaussian rows certify on the first bracket (a middle slice too small for the set, or a
+    grid that misses scores, would send them to the radix fallback or break the sums), and b
+    matches the CPU op's."""
+    g = gen(n + rows)
+    x = torch.randn(rows, n, generator=g, dtype=F64).to(dtype)
+    k = torch.full((rows,), n / 16, dtype=F64)
+    t = torch.ones(rows, dtype=F64)
+    xd = x.cuda()
+    info = fl.lapsum_diagnostics(xd, k.cuda(), t.cuda(), method=method)
+    regime = "radix-rows" if method == "sort" else "long-rows"
+    assert info.regime == regime
+    path = info.path.cpu()
+    if regime == "long-rows":
+        assert (path == fl.PATH_BRACKET).all() and (info.attempts.cpu() == 1).all(), (path, info.attempts)
+    else:
+        assert (path == fl.PATH_RADIX).all(), path
+    bc = fl.lapsum_threshold(x, k, t, method=method)
+    close = 2e-6 if dtype != F64 else 1e-9
+    assert torch.allclose(info.threshold.cpu(), bc, rtol=1e-9, atol=close), (info.threshold, bc)
+    p = fl.soft_topk(xd, k.cuda(), t.cuda(), method=method)
+    assert (budget_error(p, k.cuda()) <= BUDGET_TOL[dtype]).all()
+
+
 # ---- hard: topk and soft_topk(hard=True) --------------------------------------------------
 
 # (device, rows, n, k, hard, regime); float64 takes FP64_SORT on CUDA

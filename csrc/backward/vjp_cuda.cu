@@ -20,8 +20,6 @@
 namespace fastlapsum {
 namespace {
 
-constexpr int64_t kMaxChunks = 2048;  // partial sums per row: enough blocks to fill the GPU
-
 // the threshold VJP has no upstream tensor (grad == nullptr)
 template <typename scalar_t>
 __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ x,
@@ -44,25 +42,33 @@ __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scala
           if (q < valid) acc.add(vjp_term(sign * xv[q], br, inv_t, gv[q], log_mode), inv_t);
       });
     } else {
+      // Groups of kGroup scores (tiles of U vectors) for the usual row, whose float-pair sums
+      // gain from longer groups; a vector at a time for a row of fp64 distances (row_group_sums).
       const RowF32 row(sign, br, inv_t);
-      if (row.pairs) {  // the usual row: float-pair distances, fp32 sums per group, fp64 across groups
+      if (row.pairs) {
         stream_row_tiles<scalar_t, float, U>(x + r * n, gr, n, [&](const float(&xv)[U][V], const float(&gv)[U][V],
                                                                    const int(&valid)[U], int64_t) {
           float xs[kGroup], gs[kGroup];
-          bool ok[kGroup];
+          bool ok[kGroup];  // a prefix: a tile's vectors run along the row
+          int count = 0;
 #pragma unroll
-          for (int u = 0; u < U; ++u)
+          for (int u = 0; u < U; ++u) {
+            count += valid[u];
 #pragma unroll
             for (int q = 0; q < V; ++q) {
               xs[u * V + q] = xv[u][q];
               gs[u * V + q] = gv[u][q];
               ok[u * V + q] = q < valid[u];
             }
-          acc.merge(group_sums<kGroup>(row, xs, gs, ok, log_mode), inv_t, ExpNegF32{});
+          }
+          acc.merge(row_group_sums<kGroup>(row, xs, gs, ok, count, log_mode), inv_t, ExpNegF32{});
         });
       } else {
         stream_row<scalar_t, float>(x + r * n, gr, n, [&](const float(&xv)[V], const float(&gv)[V], int valid, int64_t) {
-          acc.merge(vector_sums_f64d<V>(row, xv, gv, valid, log_mode), inv_t, ExpNegF32{});
+          bool ok[V];
+#pragma unroll
+          for (int q = 0; q < V; ++q) ok[q] = q < valid;
+          acc.merge(row_group_sums<V>(row, xv, gv, ok, valid, log_mode), inv_t, ExpNegF32{});
         });
       }
     }
@@ -155,20 +161,18 @@ __global__ void __launch_bounds__(kThreads, 3) vjp_apply_kernel(const scalar_t* 
   }
 }
 
-// Partials a row up to which each block of the elementwise pass folds them itself (cheaper
-// than a launch); above, one block per row does it once.
-constexpr int64_t kFoldInApplyMaxChunks = 16;
-
-// The launches of both VJPs: reduce (partial sums per block), finalize (a row's coefficients,
-// once, for rows of many blocks), apply (d L / d x); rows of at most kRowsMaxN scores: one
-// launch of vjp_rows_kernel (vjp_rows.cuh). grad == nullptr: the threshold's VJP (grad_b given).
+// The launches of both VJPs by plan_vjp (vjp_plan.h): rows in registers, one launch of
+// vjp_rows_kernel (vjp_rows.cuh); else reduce (partial sums per block), finalize (a row's
+// coefficients, once, for rows of many blocks), apply (d L / d x). grad == nullptr: the
+// threshold's VJP (grad_b given).
 template <typename scalar_t>
 void launch_vjp(const BackwardIO& w, const scalar_t* grad, const double* grad_b, bool largest, bool log_mode) {
   const double sign = largest ? 1.0 : -1.0;
-  if (launch_vjp_rows<scalar_t>(w, grad, grad_b, sign, log_mode)) return;
   const int64_t rows = w.x.size(0), n = w.x.size(1);
-  const dim3 grid = row_grid(rows, n, 8, kMaxChunks);
-  const bool finalize = grid.x > kFoldInApplyMaxChunks;
+  const VjpPlan plan = plan_vjp(rows, n, soft_launch_tuning(compute_capability()));
+  if (plan.in_registers) return launch_vjp_rows<scalar_t>(plan, w, grad, grad_b, sign, log_mode);
+  const dim3 grid = plan.grid;
+  const bool finalize = plan.finalize;
   const int64_t partial_bytes = rows * int64_t(grid.x) * int64_t(sizeof(VjpSums));
   const at::Tensor ws = at::empty({partial_bytes + (finalize ? rows * int64_t(sizeof(RowVjp)) : 0)},
                                   w.x.options().dtype(at::kByte));
@@ -183,11 +187,9 @@ void launch_vjp(const BackwardIO& w, const scalar_t* grad, const double* grad_b,
   double* gt = w.gt.mutable_data_ptr<double>();
   launch_dependent(vjp_reduce_kernel<scalar_t>, grid, kThreads, 0, stream, grad, xp, bp, tp, partial, rows, n, sign,
                    log_mode);
-  if (finalize) {
-    const unsigned row_blocks = static_cast<unsigned>(rows < 65535 ? rows : 65535);
-    launch_dependent(vjp_finalize_kernel, row_blocks, kThreads, 0, stream, partial, static_cast<int>(grid.x), grad_b,
+  if (finalize)
+    launch_dependent(vjp_finalize_kernel, plan.row_blocks, kThreads, 0, stream, partial, static_cast<int>(grid.x), grad_b,
                      bp, tp, coef, gk, gt, rows, sign, grad != nullptr, log_mode);
-  }
   launch_dependent(vjp_apply_kernel<scalar_t>, grid, kThreads, 0, stream, grad, xp, bp, tp, coef, partial, grad_b, gk,
                    gt, w.gx.mutable_data_ptr<scalar_t>(), rows, n, sign, log_mode);
 }

@@ -9,11 +9,11 @@
 #include "../common/cuda_launch.cuh"
 #include "../common/gpu_rows.cuh"
 #include "../common/vjp_math.h"
+#include "vjp_plan.h"
 #include "vjp_terms_f32.cuh"
 
 namespace fastlapsum {
 
-constexpr int kRowsBlockThreads = 256;
 // Elements per group of the fp32 reduction: the fp32 sums of a group are folded into the
 // thread's fp64 ones at once.
 constexpr int kGroup = 8;
@@ -103,8 +103,7 @@ __global__ void __launch_bounds__(kRowsBlockThreads) vjp_rows_kernel(
           oks[q] = ok[q0 + q];
           valid += oks[q];
         }
-        acc.merge(row.pairs ? group_sums<G>(row, xs, gs, oks, log_mode) : vector_sums_f64d<G>(row, xs, gs, valid, log_mode),
-                  inv_t, ExpNegF32{});
+        acc.merge(row_group_sums<G>(row, xs, gs, oks, valid, log_mode), inv_t, ExpNegF32{});
       }
     }
 #pragma unroll
@@ -147,28 +146,29 @@ __global__ void __launch_bounds__(kRowsBlockThreads) vjp_rows_kernel(
   }
 }
 
-// Rows up to this long take vjp_rows_kernel: a warp a row up to 32 * 32 scores, the block up to
-// 256 * 32 (the fewest items a thread that hold the row: padding costs registers and idle lanes).
-constexpr int64_t kRowsMaxN = int64_t(kRowsBlockThreads) * 32;
+static_assert(kSoftLaunchSm90.vjp_warp_row_max <= 32 * kVjpMaxItems &&
+                  kSoftLaunchSm90.vjp_cta_row_max <= kRowsBlockThreads * kVjpMaxItems,
+              "vjp_rows_kernel holds at most kVjpMaxItems scores a thread");
 
+// The plan's vjp_rows_kernel (plan.in_registers).
 template <typename scalar_t>
-bool launch_vjp_rows(const BackwardIO& w, const scalar_t* grad, const double* grad_b, double sign, bool log_mode) {
+void launch_vjp_rows(const VjpPlan& plan, const BackwardIO& w, const scalar_t* grad, const double* grad_b, double sign,
+                     bool log_mode) {
   const int64_t rows = w.x.size(0), n = w.x.size(1);
-  if (n > kRowsMaxN) return false;
-  const auto launch = [&](auto kernel, int64_t rows_per_block) {
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((rows + rows_per_block - 1) / rows_per_block, 1 << 20));
-    launch_dependent(kernel, blocks, kRowsBlockThreads, 0, current_stream(), grad, grad_b,
+  const auto launch = [&](auto kernel) {
+    launch_dependent(kernel, plan.blocks, kRowsBlockThreads, 0, current_stream(), grad, grad_b,
                      w.x.const_data_ptr<scalar_t>(), w.b.const_data_ptr<double>(), w.t.const_data_ptr<double>(),
                      w.gx.mutable_data_ptr<scalar_t>(), w.gk.mutable_data_ptr<double>(),
                      w.gt.mutable_data_ptr<double>(), rows, n, sign, log_mode);
   };
-  constexpr int64_t kWarpsPerBlock = kRowsBlockThreads / 32;
-  if (n <= 64) launch(vjp_rows_kernel<scalar_t, 2, 32>, kWarpsPerBlock);
-  else if (n <= 256) launch(vjp_rows_kernel<scalar_t, 8, 32>, kWarpsPerBlock);
-  else if (n <= 1024) launch(vjp_rows_kernel<scalar_t, 32, 32>, kWarpsPerBlock);
-  else if (n <= 4096) launch(vjp_rows_kernel<scalar_t, 16, kRowsBlockThreads>, 1);
-  else launch(vjp_rows_kernel<scalar_t, 32, kRowsBlockThreads>, 1);
-  return true;
+  if (plan.row_threads == 32) {
+    if (plan.items == 2) launch(vjp_rows_kernel<scalar_t, 2, 32>);
+    else if (plan.items == 8) launch(vjp_rows_kernel<scalar_t, 8, 32>);
+    else launch(vjp_rows_kernel<scalar_t, kVjpMaxItems, 32>);
+  } else {
+    if (plan.items == 16) launch(vjp_rows_kernel<scalar_t, 16, kRowsBlockThreads>);
+    else launch(vjp_rows_kernel<scalar_t, kVjpMaxItems, kRowsBlockThreads>);
+  }
 }
 
 }  // namespace fastlapsum

@@ -169,6 +169,15 @@ __device__ __forceinline__ VjpSums vector_sums_f64d(const RowF32& row, const flo
   return v;
 }
 
+// A group's sums by the row's rule, for every fp32/fp16/bf16 VJP kernel: float-pair distances
+// where the row allows them (RowF32::pairs), else fp64 distances. ok[q]: element q exists (a
+// prefix of the group), valid: how many.
+template <int G>
+__device__ __forceinline__ VjpSums row_group_sums(const RowF32& row, const float (&xv)[G], const float (&gv)[G],
+                                                  const bool (&ok)[G], int valid, bool log_mode) {
+  return row.pairs ? group_sums<G>(row, xv, gv, ok, log_mode) : vector_sums_f64d<G>(row, xv, gv, valid, log_mode);
+}
+
 // A row's coefficients of d L / d s_i (RowVjp::grad_score) in fp32, for the rows whose
 // coefficients fit fp32 with room (else `fits` is false and the elements use grad_score).
 struct RowCoefF32 {

@@ -27,6 +27,20 @@ inline int sm_count() {
   return cached[dev];
 }
 
+// Compute capability of the current device as major * 10 + minor (9.0 -> 90), looked up once
+// per device.
+inline int compute_capability() {
+  static int cached[256] = {};
+  const int dev = c10::cuda::current_device();
+  if (cached[dev] == 0) {
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    cached[dev] = major * 10 + minor;
+  }
+  return cached[dev];
+}
+
 // Facts about a kernel on a device, looked up once (under one lock) and remembered, so that
 // later calls (e.g. under graph capture) make no CUDA API call other than launches. Keyed
 // by (kernel, device, threads, smem bytes); threads = 0 holds the dynamic shared memory the

@@ -36,13 +36,10 @@ __device__ T tree_reduce(T v, Op op, T* scratch) {
   return v;
 }
 
-// Scores per tile of the level pass over a row (one block scan per tile when gathering).
 template <typename scalar_t>
 __host__ __device__ constexpr int64_t level_tile() {
-  return int64_t(kLevelThreads) * vec_width<scalar_t>() * kLevelUnroll;
+  return level_tile_for(sizeof(scalar_t));
 }
-
-__host__ __device__ constexpr int digits_for(int bits) { return (bits + kDigitBits - 1) / kDigitBits; }
 
 // Bins of a key range: width 2^shift keys, at most kBins of them.
 __device__ inline int bin_shift(uint64_t lo, uint64_t hi) {

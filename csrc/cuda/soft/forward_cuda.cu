@@ -20,14 +20,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_forward_cuda(
   TORCH_CHECK(mode >= kModeSoft && mode <= kModeHard, "fastlapsum: mode must be 0 (soft), 1 (log) or 2 (hard)");
   const c10::cuda::CUDAGuard guard(x.device());
   ThresholdIO io = threshold_io(x, k, t, method);
-  const SoftRegime regime = soft_regime_cuda(io.x.size(1), io.x.scalar_type(), method);
-  if (mode != kModeHard && on_chip(regime)) {
+  const SoftPlan plan = plan_soft_cuda(io.x.size(0), io.x.size(1), io.x.scalar_type(), method);
+  if (mode != kModeHard && on_chip(plan.regime)) {
     at::Tensor p = at::empty_like(io.x);
     if (io.x.size(0) > 0)
-      solve_short_rows_cuda(io.x, io.k, io.t, largest, regime, io.b, io.edge, io.diag, &p, mode == kModeLog);
+      solve_short_rows_cuda(io.x, io.k, io.t, largest, plan, io.b, io.edge, io.diag, &p, mode == kModeLog);
     return {p, io.b, io.diag};
   }
-  solve_rows_cuda(io, largest, method);
+  solve_rows_cuda(io, largest, plan);
   // hard: a NaN row where b is NaN (row_budget), otherwise exactly k ones
   at::Tensor p = mode == kModeHard ? hard_mask_cuda(io.x, io.k, io.b, largest)
                                    : lapsum_mask_cuda(io.x, io.b, io.t, io.edge, largest, mode == kModeLog);

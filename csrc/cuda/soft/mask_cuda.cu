@@ -9,6 +9,7 @@
 #include "../../common/lapsum_math.h"
 #include "../../common/op_io.h"
 #include "../../ops.h"
+#include "plan_soft.h"
 
 namespace fastlapsum {
 namespace {
@@ -133,9 +134,7 @@ at::Tensor lapsum_mask_cuda(const at::Tensor& x_in, const at::Tensor& b_in, cons
   const cudaStream_t stream = current_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "lapsum_mask_cuda", [&] {
     const auto kernel = mask_kernel<scalar_t>(log_mode);
-    // Up to 4096 blocks per row (3.9 waves of the fp32 kernel at 1e8): that streams faster
-    // than one wave of grid-stride blocks.
-    const dim3 grid = row_grid(rows, n, 16, 4096);
+    const dim3 grid = plan_mask_cuda(rows, n, soft_launch_tuning(compute_capability()));
     launch_dependent(kernel, grid, kThreads, 0, stream, x.const_data_ptr<scalar_t>(), b.const_data_ptr<double>(),
                      t.const_data_ptr<double>(), edge.const_data_ptr<double>(), p.mutable_data_ptr<scalar_t>(), rows,
                      n, sign);

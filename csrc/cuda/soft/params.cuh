@@ -34,12 +34,18 @@ constexpr int64_t kMaxChunks = 1024;  // blocks per row in the row-wide passes
 constexpr int64_t kSideBlocks = 128;  // blocks per row of the sides pass
 constexpr int kMaxSidesSlices = (kMaxChunks + kSideBlocks - 1) / kSideBlocks;  // middle slices per sides block
 constexpr unsigned kMiddleBlocks = 256;  // blocks per row of a level over the middle set
-// Rows up to this length try to solve their middle set on chip (sorted_middle_kernel), up to
+// The on-chip solve of a gathered middle set (sorted_middle_kernel) holds up to
 // kSortedMaxItems = 16 scores a thread (8192 in all): a Gaussian row of 2^21 gathers ~4.8K
 // scores (k = n/16, t = 1), one of 1e6 ~2.6K, one of 1e5 ~640 (bracket_rule.h's sample of
-// 4 n^(2/3)).
-constexpr int64_t kSortedMiddleMaxN = int64_t(1) << 21;
+// 4 n^(2/3)); SoftLaunchTuning::sorted_middle_max_n sets the rows that try it.
 constexpr int kSortedMaxItems = 16;
+
+// Scores per tile of the level pass over a row of elem_bytes scores (one block scan per tile
+// when gathering), and radix digits of kDigitBits over keys of `bits` bits.
+__host__ __device__ constexpr int64_t level_tile_for(int elem_bytes) {
+  return int64_t(kLevelThreads) * (16 / elem_bytes) * kLevelUnroll;
+}
+__host__ __device__ constexpr int digits_for(int bits) { return (bits + kDigitBits - 1) / kDigitBits; }
 
 enum RowStatus : int { kRefineMiddle = 0, kRefineRow = 1, kSolveMiddle = 2, kSolveRow = 3, kDone = 4 };
 // Certification still ahead of a row (kCertifyRow) or done. A bracketed row's first level

@@ -21,7 +21,7 @@
 namespace fastlapsum {
 namespace {
 
-constexpr int kShortThreads = kSortedThreads;
+static_assert(kShortThreads == kSortedThreads, "the CTA regime (plan_soft.h) runs sorted_solve's block");
 
 // The row's mask (or log mask) from its threshold, re-reading the scores (from L1/L2), item
 // q of thread tid (of kStride) at q * kStride + tid: all loads first, then branch-free
@@ -156,30 +156,30 @@ warp_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in
   write_mask<scalar_t, kItems, kLanes>(row, p_out + r * n, n, sign, b, t, edge, log_mode, lane);
 }
 
-// The warp regime (soft_regime_cuda, threshold_cuda.h) holds rows of at most warp_row_max.
+// The warp regime (soft_regime_cuda, plan_soft.h) holds rows of at most warp_row_max.
 static_assert(SoftTuning::warp_row_max(false) <= 32 * 32 && SoftTuning::warp_row_max(true) <= 32 * 32,
               "warp_rows walks a lane's keys a lane each: at most 32 keys a lane");
 
-// The warp kernel with the fewest lanes, then the fewest keys a lane, that hold the row (a
-// power of two: the bitonic network): rows of n <= 8 or 16 share a warp (from
-// kMinLanesPerRow lanes a row); only kernels up to the dtype's warp_row_max are built.
+// The warp kernel of the plan's lanes and keys a lane (plan_on_chip); only kernels up to the
+// dtype's warp_row_max are built.
 template <typename scalar_t, int kItems, int kLanes, typename Launch>
-void launch_warp_rows(int64_t n, const Launch& launch) {
+void launch_warp_rows(const SoftPlan& plan, const Launch& launch) {
   if constexpr (kLanes < 32) {
-    if (n > kLanes) return launch_warp_rows<scalar_t, kItems, 2 * kLanes>(n, launch);
+    if (plan.lanes > kLanes) return launch_warp_rows<scalar_t, kItems, 2 * kLanes>(plan, launch);
   } else if constexpr (kItems < 32 && 32 * kItems < SoftTuning::warp_row_max(std::is_same<scalar_t, double>::value)) {
-    if (n > 32 * kItems) return launch_warp_rows<scalar_t, 2 * kItems, kLanes>(n, launch);
+    if (plan.items > kItems) return launch_warp_rows<scalar_t, 2 * kItems, kLanes>(plan, launch);
   }
-  launch(warp_rows_kernel<scalar_t, kItems, kLanes>, 32 / kLanes);
+  TORCH_CHECK(plan.lanes == kLanes && plan.items == kItems, "fastlapsum: internal: no warp-row kernel for the plan");
+  launch(warp_rows_kernel<scalar_t, kItems, kLanes>);
 }
 
 }  // namespace
 
 void solve_short_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest,
-                           SoftRegime regime, at::Tensor& b, at::Tensor& edge, at::Tensor& diag, at::Tensor* p,
+                           const SoftPlan& plan, at::Tensor& b, at::Tensor& edge, at::Tensor& diag, at::Tensor* p,
                            bool log_mode) {
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(on_chip(regime) && regime == soft_regime_cuda(n, x.scalar_type(), kMethodSort),
+  TORCH_CHECK(on_chip(plan.regime) && plan.regime == soft_regime_cuda(n, x.scalar_type(), kMethodSort),
               "fastlapsum: internal: not a regime of the on-chip solver");
   if (rows == 0) return;
   const double sign = largest ? 1.0 : -1.0;
@@ -187,26 +187,23 @@ void solve_short_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::T
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "solve_short_rows_cuda", [&] {
     scalar_t* pp = p != nullptr ? p->mutable_data_ptr<scalar_t>() : nullptr;
     const auto launch = [&](auto kernel) {
-      launch_dependent(kernel, static_cast<unsigned>(rows), kShortThreads, 0, stream,
+      launch_dependent(kernel, static_cast<unsigned>(plan.blocks), plan.threads, 0, stream,
           x.const_data_ptr<scalar_t>(), k.const_data_ptr<double>(), t.const_data_ptr<double>(),
           b.mutable_data_ptr<double>(), edge.mutable_data_ptr<double>(), diag.mutable_data_ptr<int64_t>(), pp,
           log_mode, n, sign);
     };
-    if (regime == kSoftWarpRows) {
-      const auto warp_launch = [&](auto kernel, int rows_per_warp) {
-        const int64_t per_cta = SoftTuning::kWarpRowsPerCta * rows_per_warp;
-        launch_dependent(kernel, static_cast<unsigned>((rows + per_cta - 1) / per_cta), SoftTuning::kWarpRowsPerCta * 32,
-            0, stream,
+    if (plan.regime == kSoftWarpRows) {
+      const auto warp_launch = [&](auto kernel) {
+        launch_dependent(kernel, static_cast<unsigned>(plan.blocks), plan.threads, 0, stream,
             x.const_data_ptr<scalar_t>(), k.const_data_ptr<double>(), t.const_data_ptr<double>(),
             b.mutable_data_ptr<double>(), edge.mutable_data_ptr<double>(), diag.mutable_data_ptr<int64_t>(), pp,
             log_mode, rows, n, sign);
       };
-      launch_warp_rows<scalar_t, 1, SoftTuning::kMinLanesPerRow>(n, warp_launch);
+      launch_warp_rows<scalar_t, 1, SoftTuning::kMinLanesPerRow>(plan, warp_launch);
       return;
     }
-    // The fewest items per thread that hold the row: padding costs every sort pass.
-    if (n <= kShortThreads * 2) launch(short_rows_kernel<scalar_t, 2>);
-    else if (n <= kShortThreads * 4) launch(short_rows_kernel<scalar_t, 4>);
+    if (plan.items == 2) launch(short_rows_kernel<scalar_t, 2>);
+    else if (plan.items == 4) launch(short_rows_kernel<scalar_t, 4>);
     else launch(short_rows_kernel<scalar_t, 8>);
   });
 }

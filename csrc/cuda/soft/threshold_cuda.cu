@@ -28,7 +28,8 @@
 //
 // Each phase's kernel is in its own header, compiled in this translation unit: propose.cuh,
 // gather_pass.cuh (level), sorted_middle.cuh, bin_scan.cuh (scan), sides_solve.cuh (sides,
-// solve); shared by them: params.cuh, bins.cuh, settled.cuh. This file: the launch sequence.
+// solve); shared by them: params.cuh, bins.cuh, settled.cuh. This file: plan_soft_cuda (the
+// plan of every soft launch, arithmetic in plan_soft.h) and the launch sequence.
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
@@ -60,35 +61,39 @@
 
 namespace fastlapsum {
 
+SoftPlan plan_soft_cuda(int64_t rows, int64_t n, at::ScalarType dtype, int64_t method) {
+  SoftPlan plan{};
+  plan.regime = soft_regime_cuda(n, dtype, method);
+  if (rows == 0 || n == 0) return plan;  // nothing to launch
+  if (on_chip(plan.regime)) {
+    plan_on_chip(plan, rows, n, dtype == at::kDouble);
+    return plan;
+  }
+  const auto propose_wave = [&] {
+    int64_t wave = 0;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "plan_soft_cuda", [&] {
+      wave = int64_t(resident_blocks(propose_kernel<scalar_t>, kProposeThreads, 0, c10::cuda::current_device())) *
+             sm_count();
+    });
+    return wave;
+  };
+  plan.long_rows = plan_long_rows(rows, n, dtype, plan.regime == kSoftRadixRows, sm_count(),
+                                  soft_launch_tuning(compute_capability()), propose_wave);
+  return plan;
+}
+
 void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest,
-                          bool sort, at::Tensor& b, at::Tensor& edge, at::Tensor& diag) {
+                          const LongRowsPlan& plan, at::Tensor& b, at::Tensor& edge, at::Tensor& diag) {
   const int64_t rows = x.size(0), n = x.size(1);
   if (rows == 0 || n == 0) return;
   const double sign = largest ? 1.0 : -1.0;
   const cudaStream_t stream = current_stream();
+  const bool sort = plan.sort;
+  const int64_t chunks = plan.chunks, cap = plan.cap, side_blocks = plan.side_blocks;
+  const unsigned row_blocks = plan.row_blocks;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "solve_long_rows_cuda", [&] {
-    // Blocks per row: a few tiles each, at most kMaxChunks; the grid covers rows by looping.
-    const int64_t tile = level_tile<scalar_t>();
-    const int64_t tiles = (n + tile - 1) / tile;
-    // Two tiles per block (~16K fp32 scores), so that a gathering block's next tile loads
-    // while it classifies one; one when a row's tiles fit a block per SM (rows up to ~1M
-    // fp32 scores: all in flight at once, and the sorted middle set reads the slices cheaply).
-    const int64_t tiles_per_block = tiles <= sm_count() ? 1 : 8 / kLevelUnroll;
-    int64_t chunks = (tiles + tiles_per_block - 1) / tiles_per_block;
-    // At most one wave of level blocks (two per SM) over the rows: a block streams its tiles
-    // in a grid-stride loop, so more blocks only add waves, partials for the scan to fold,
-    // and a wave of launches to each level that a finished row skips.
-    const int64_t wave = std::max<int64_t>(1, 2 * static_cast<int64_t>(sm_count()) / rows);
-    chunks = std::max<int64_t>(1, std::min({chunks, kMaxChunks, wave}));
-    const int64_t per_block = (tiles + chunks - 1) / chunks * tile;
-    // Middle slice per block: 4x the widest first bracket's expected share (q = 1/2).
-    int64_t cap = 0;
-    if (!sort) {
-      const double m = static_cast<double>(sample_geometry(n, 0).count);
-      const double share = (2.0 * (kBracketZ * std::sqrt(0.25 * m) + 2.0) + 2.0) / m;
-      cap = static_cast<int64_t>(4.0 * share * static_cast<double>(per_block)) + 1024;
-      cap = cap > per_block ? per_block : cap;
-    }
+    TORCH_CHECK(plan.tile == level_tile<scalar_t>() && plan.levels == 2 + digits_for(KeyTraits<scalar_t>::kBits),
+                "fastlapsum: internal: a long-row plan of another dtype");
     const auto bytes = [&](int64_t count) { return at::empty({count}, x.options().dtype(at::kByte)); };
     constexpr int kDigits = digits_for(KeyTraits<scalar_t>::kBits);
     // One zeroed buffer (one fill): the bins, then propose's first-digit counts and barrier counters.
@@ -99,7 +104,6 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     at::Tensor later_hist = bytes(sort ? 1 : rows * (kDigits - 1) * 2 * kBins * 4);
     at::Tensor state = bytes(rows * int64_t(sizeof(RowState)));
     at::Tensor partial = bytes(rows * chunks * int64_t(sizeof(LevelPartial)));
-    const int64_t side_blocks = chunks < kSideBlocks ? chunks : kSideBlocks;
     at::Tensor sides = bytes(rows * side_blocks * int64_t(sizeof(SidesPartial)));
     at::Tensor counts = bytes(rows * chunks * int64_t(sizeof(unsigned)) + 1);
     at::Tensor middle = at::empty({sort ? 1 : rows * chunks * cap}, x.options().dtype(at::kDouble));
@@ -111,40 +115,27 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     auto* cp = reinterpret_cast<unsigned*>(counts.mutable_data_ptr());
     double* mp = middle.mutable_data_ptr<double>();
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
-    const unsigned row_blocks = static_cast<unsigned>(rows < 65535 ? rows : 65535);
     const dim3 grid(static_cast<unsigned>(chunks), row_blocks);
-    // Rows of one tile a gathering block (up to ~1M fp32 scores), one row a block row: the
-    // gathering pass proposes for itself (propose_from_tile), one launch and the sample's
-    // scattered loads fewer. Its blocks are all resident (one wave), as its row barriers need.
-    const bool self_propose = !sort && tiles_per_block == 1 && chunks == tiles && rows <= 65535;
+    const bool self_propose = plan.self_propose;
     auto* first_hist = reinterpret_cast<unsigned*>(zp + hist_bytes);
     auto* later = reinterpret_cast<unsigned*>(later_hist.mutable_data_ptr());
-    if (!self_propose) {
-      // Propose: enough blocks per row to hold the largest sample (offset 0) in registers;
-      // rows beyond one wave of blocks loop, so that a row's blocks are all resident.
-      const int64_t per_block = int64_t(kProposeThreads) * kSampleKeys;
-      const int64_t blocks = sort ? 1 : (sample_geometry(n, 0).count + per_block - 1) / per_block;
-      const int64_t wave = int64_t(resident_blocks(propose_kernel<scalar_t>, kProposeThreads, 0, x.get_device())) * sm_count();
-      const int64_t ys = std::max<int64_t>(1, std::min<int64_t>(row_blocks, wave / blocks));
-      launch_dependent(propose_kernel<scalar_t>, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(ys)),
+    if (!self_propose)
+      launch_dependent(propose_kernel<scalar_t>,
+                       dim3(static_cast<unsigned>(plan.propose_blocks), static_cast<unsigned>(plan.propose_rows)),
                        kProposeThreads, 0, stream, xp, k.const_data_ptr<double>(), t.const_data_ptr<double>(), st,
                        first_hist, later, rows, n, sign, sort);
-    }
-    // The first level certifies (a bracketed row: two levels, gather then bin); a row sent to
-    // the fallback then needs a level per digit.
-    const int levels = 2 + kDigits;
     double* bp = b.mutable_data_ptr<double>();
     double* ep = edge.mutable_data_ptr<double>();
     int64_t* dp = diag.mutable_data_ptr<int64_t>();
     constexpr auto sorted_middle = sorted_middle_for<scalar_t>();
-    const bool use_sorted = !sort && sorted_middle != nullptr && n <= kSortedMiddleMaxN;
-    const bool preread = !use_sorted;  // see rows_settled_early
-    for (int level = 0; level < levels; ++level) {
+    TORCH_CHECK(!plan.sorted_middle || sorted_middle != nullptr, "fastlapsum: internal: no sorted middle-set kernel");
+    const bool preread = plan.preread;
+    for (int level = 0; level < plan.levels; ++level) {
       launch_dependent(level_kernel<scalar_t>, grid, kLevelThreads, 0, stream, xp, st, mp, cp, cap, hs, lp,
                        k.const_data_ptr<double>(), t.const_data_ptr<double>(), first_hist, later, rows, n, sign, level,
                        preread && !(self_propose && level == 1), self_propose && level == 0);
       if (level == 0 && !sort) {  // gathered only: level 1 bins the set, unless it is solved on chip here
-        if (use_sorted)  // (never for fp64, whose sorted_middle is null)
+        if (plan.sorted_middle)
           launch_dependent(sorted_middle, row_blocks, kSortedThreads, 0, stream, st, lp, static_cast<int>(chunks), mp,
                            cp, cap, k.const_data_ptr<double>(), bp, ep, dp, rows, n, sign);
         continue;
@@ -159,13 +150,12 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
   });
 }
 
-void solve_rows_cuda(ThresholdIO& io, bool largest, int64_t method) {
+void solve_rows_cuda(ThresholdIO& io, bool largest, const SoftPlan& plan) {
   if (io.x.size(0) == 0) return;
-  const SoftRegime regime = soft_regime_cuda(io.x.size(1), io.x.scalar_type(), method);
-  if (on_chip(regime))
-    solve_short_rows_cuda(io.x, io.k, io.t, largest, regime, io.b, io.edge, io.diag, nullptr, false);
+  if (on_chip(plan.regime))
+    solve_short_rows_cuda(io.x, io.k, io.t, largest, plan, io.b, io.edge, io.diag, nullptr, false);
   else
-    solve_long_rows_cuda(io.x, io.k, io.t, largest, regime == kSoftRadixRows, io.b, io.edge, io.diag);
+    solve_long_rows_cuda(io.x, io.k, io.t, largest, plan.long_rows, io.b, io.edge, io.diag);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cuda(const at::Tensor& x_in,
@@ -174,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cuda(const at::T
                                                                      bool largest, int64_t method) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   ThresholdIO io = threshold_io(x_in, k_in, t_in, method);
-  solve_rows_cuda(io, largest, method);
+  solve_rows_cuda(io, largest, plan_soft_cuda(io.x.size(0), io.x.size(1), io.x.scalar_type(), method));
   return {io.b, io.edge, io.diag};
 }
 

@@ -1,5 +1,8 @@
-// The tuning of the CUDA soft forward's on-chip regimes (short_rows_cuda.cu): where the
-// warp-per-row kernel takes over from the CTA-per-row kernel, and its CTA shape.
+// The tuning of the CUDA soft ops (soft forward, threshold, mask, VJP), per architecture, as
+// CUB keeps its tuning policies: SoftTuningSm90 shapes the on-chip kernels at compile time;
+// SoftLaunchTuning holds the numbers the host plans launches with (plan_soft.h), chosen at run
+// time by the device's compute capability (soft_launch_tuning). Only sm_90 (H200) is measured;
+// other GPUs take its numbers.
 #pragma once
 
 #include <cstdint>
@@ -30,4 +33,45 @@ struct SoftTuningSm90 {
 using SoftTuning = SoftTuningSm90;
 
 }  // namespace
+
+// The host's launch numbers (plan_soft.h). Every field is read by one plan function only.
+struct SoftLaunchTuning {
+  // Long rows (the bracket's launch sequence, threshold_cuda.cu).
+  int level_blocks_per_sm;        // level blocks in flight over all rows: this many per SM (one wave)
+  int level_block_vectors;        // 16-byte vectors a thread of a level block streams when a row
+                                  // has more tiles than the GPU has SMs (else one tile a block)
+  double middle_slice_factor;     // a level block's middle slice: this many times the widest first
+  int64_t middle_slice_slack;     //   bracket's expected share of its scores, plus this many
+  int64_t sorted_middle_max_n;    // rows up to this long solve their gathered middle set on chip
+  // The mask pass (mask_cuda.cu): blocks a row, scores a thread before a row takes more blocks.
+  int64_t mask_scores_per_thread, mask_max_blocks;
+  // The streaming VJP (vjp_cuda.cu): blocks a row as for the mask; rows of at most
+  // vjp_fold_in_apply_max blocks are folded by every apply block, longer ones by a finalize launch.
+  int64_t vjp_scores_per_thread, vjp_max_blocks, vjp_fold_in_apply_max;
+  // The register VJP (vjp_rows.cuh): a warp a row up to vjp_warp_row_max scores, a CTA a row up
+  // to vjp_cta_row_max; longer rows stream.
+  int64_t vjp_warp_row_max, vjp_cta_row_max;
+};
+
+inline constexpr SoftLaunchTuning kSoftLaunchSm90 = {
+    /*level_blocks_per_sm=*/2,
+    /*level_block_vectors=*/8,
+    /*middle_slice_factor=*/4.0,
+    /*middle_slice_slack=*/1024,
+    /*sorted_middle_max_n=*/int64_t(1) << 21,
+    /*mask_scores_per_thread=*/16,
+    /*mask_max_blocks=*/4096,
+    /*vjp_scores_per_thread=*/8,
+    /*vjp_max_blocks=*/2048,
+    /*vjp_fold_in_apply_max=*/16,
+    /*vjp_warp_row_max=*/1024,
+    /*vjp_cta_row_max=*/8192,
+};
+
+// The launch numbers for a device of compute capability major.minor (e.g. 9.0 -> 90).
+inline const SoftLaunchTuning& soft_launch_tuning(int cc) {
+  (void)cc;  // sm_90 is the only table; unmeasured GPUs take its numbers
+  return kSoftLaunchSm90;
+}
+
 }  // namespace fastlapsum

@@ -1,0 +1,46 @@
+// The launch plan of the CUDA VJPs (vjp_cuda.cu): rows held in registers (vjp_rows.cuh, one
+// launch) or streamed (reduce, finalize, apply), and their grids, decided from the shape and
+// the device's SoftLaunchTuning. plan_vjp is its only author; the launchers take the plan.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../common/cuda_launch.cuh"
+#include "../cuda/soft/tuning.cuh"
+
+namespace fastlapsum {
+
+constexpr int kRowsBlockThreads = 256;  // CTA of vjp_rows_kernel (a warp a row or the CTA a row)
+constexpr int kVjpMaxItems = 32;        // scores a thread of vjp_rows_kernel, at most
+
+struct VjpPlan {
+  bool in_registers;   // vjp_rows_kernel
+  int row_threads;     //   32 (a warp a row) or kRowsBlockThreads (the CTA a row)
+  int items;           //   scores a thread
+  unsigned blocks;     //   its grid
+  dim3 grid;           // streaming: reduce and apply, [blocks a row, rows]
+  bool finalize;       //   a launch folds each row's partials once (else every apply block does)
+  unsigned row_blocks; //   the finalize grid
+};
+
+inline VjpPlan plan_vjp(int64_t rows, int64_t n, const SoftLaunchTuning& tu) {
+  VjpPlan p{};
+  // Rows in registers: a warp a row, else the CTA a row, with the fewest items a thread that
+  // hold the row (padding costs registers and idle lanes).
+  p.in_registers = n <= tu.vjp_cta_row_max;
+  if (p.in_registers) {
+    const bool warp = n <= tu.vjp_warp_row_max;
+    p.row_threads = warp ? 32 : kRowsBlockThreads;
+    p.items = warp ? (n <= 64 ? 2 : n <= 256 ? 8 : 32) : (n <= int64_t(kRowsBlockThreads) * 16 ? 16 : 32);
+    const int64_t per_block = kRowsBlockThreads / p.row_threads;
+    p.blocks = static_cast<unsigned>(std::min<int64_t>((rows + per_block - 1) / per_block, 1 << 20));
+    return p;
+  }
+  p.grid = row_grid(rows, n, tu.vjp_scores_per_thread, tu.vjp_max_blocks);
+  p.finalize = p.grid.x > tu.vjp_fold_in_apply_max;
+  p.row_blocks = static_cast<unsigned>(rows < 65535 ? rows : 65535);
+  return p;
+}
+
+}  // namespace fastlapsum
