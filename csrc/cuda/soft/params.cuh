@@ -20,10 +20,6 @@ constexpr int kScanThreads = 256;  // 512 (4 bins per thread) is no faster
 constexpr int kScanBins = kBins / kScanThreads;  // consecutive bins per scan thread
 constexpr int kProposeThreads = 256;
 constexpr int kSampleKeys = 8;  // sample keys per propose thread, kept in registers
-// CTAs an SM that propose's registers are capped for: rows beyond one wave loop, each row's
-// select trading histograms through global memory, so batched rows (2048 x 131072) are bound
-// by how many rows are in flight (181 registers uncapped: one CTA an SM).
-constexpr int kProposeMinBlocks = 3;
 // Propose stops at a bucket with at most this many sample keys: a smaller bound often costs a
 // third digit's round trip (a few us at 1e6) to save a few middle scores (a bucket of two
 // digits holds ~15 scores of a Gaussian 1e6 row at k = n/16).

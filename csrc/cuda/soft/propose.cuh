@@ -8,6 +8,7 @@
 #include "../../common/bracket_rule.h"
 #include "../../common/cuda_launch.cuh"
 #include "bins.cuh"
+#include "tuning.cuh"
 
 namespace fastlapsum {
 namespace {
@@ -201,7 +202,7 @@ __device__ inline int select_digits(const RowSelectStart& rs, typename cub::Bloc
 // The first digit's histogram and the barrier counter come zeroed; the later ones are zeroed
 // here before the first barrier.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kProposeThreads, kProposeMinBlocks)
+__global__ void __launch_bounds__(kProposeThreads, SoftTuning::kProposeMinBlocks)
 propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, const double* __restrict__ t_in,
                RowState* __restrict__ state, unsigned* __restrict__ first_hist, unsigned* __restrict__ later_hist,
                int64_t rows, int64_t n, double sign, bool sort) {
