@@ -61,6 +61,8 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=1500, help="optimiser steps per run (upper bound)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds for all training of all phases; sets the steps by calibration")
+    ap.add_argument("--min-steps", type=int, default=200,
+                    help="with --budget: below this many steps per run, only the first K is run")
     ap.add_argument("--moe-share", type=float, default=0.35, help="share of --budget for the MoE phase")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds from start after which no new run starts")
@@ -322,6 +324,14 @@ def _main(args):
                 step_s = calibrate(probe, data, args, dev)
                 del probe
                 steps = max(10, min(args.steps, int(0.9 * per_run / step_s)))
+                if phase == "prune" and steps < args.min_steps and len(args.keep) > 1:
+                    # too few steps to learn: fewer K values, more steps for each run
+                    jobs = [j for j in jobs if j[2] in (args.keep[0], max(j[2] for j in jobs))]
+                    per_run = per_run * n_runs / (len(jobs) * len(args.seeds))
+                    n_runs = len(jobs) * len(args.seeds)
+                    steps = max(10, min(args.steps, int(0.9 * per_run / step_s)))
+                    res["errors"].append(f"prune: only K={args.keep[0]} run ({steps} steps per run; "
+                                         f"with every K it would have been under {args.min_steps})")
                 cap = 1.3 * per_run
                 print(f"[{phase}] {step_s * 1e3:.1f} ms/step -> {steps} steps per run, {n_runs} runs", flush=True)
             for seed in args.seeds:
