@@ -361,6 +361,7 @@ def _main(args):
             traceback.print_exc()
             res["errors"].append(f"{phase}: {type(e).__name__}: {e}")
         res["phase_s"][phase] = time.perf_counter() - t_phase
+        print(f"[{phase}] phase done in {res['phase_s'][phase]:.1f}s", flush=True)
         write_results(res, args.out)
     res["wall_s"] = time.perf_counter() - start
     write_results(res, args.out)
