@@ -1,23 +1,20 @@
-"""Token pruning with an exact-budget router, and an expert-choice MoE with exact capacity.
+"""Token pruning and MoE routing in a timm VisionTransformer, trained from scratch on
+cluttered digits (data.py: real handwritten digits on real photographs, no downloads).
 
-A tiny ViT is trained from scratch on procedurally generated 24x24 shape images (made in
-model.py; no downloads). After block 1 a router keeps exactly K of the 36 patch tokens:
+Phase "prune" (pruning.py): after block --at a router keeps K of the 64 patch tokens:
+  soft (fastlapsum.soft_topk, sum exactly K), gated hard top-K (Mixture-of-Depths style),
+  EViT-style CLS-attention top-K with fusion, and the unpruned model; every seed.
+Phase "moe" (moe.py): MoE MLPs in blocks --moe-blocks with three routers: expert choice
+  through the exact-budget soft router, hard expert choice (torch.topk), token choice with
+  a capacity limit; every seed.
 
-  learned : fastlapsum.SoftTopK soft mask while training (sum exactly K, temperature
-            annealed), hard top-k + gather at evaluation
-  hard    : hard top-k on detached router scores, training and evaluation (the router gets
-            no gradient: what a plain top-k gives you today)
-  none    : no pruning (the 100 % row of both tables)
+All runs of a phase take the same number of optimiser steps. With --budget the step count
+is set from a timed calibration so that the phase fits its share of the budget; every run
+also stops at a time cap (the table then shows fewer steps). Results are written after
+every run (results.json, results.md), so a cut-short run still leaves its tables.
 
-Block 2's MLP is an expert-choice MoE whose experts each take exactly C tokens of the batch
-(soft_topk(..., hard=True) over the token axis; asserted on every forward).
-
-    python examples/token_pruning/train.py                 # default run (< 5 min, 2 CPU cores)
-    python examples/token_pruning/train.py --quick         # a few steps, tiny data (tests)
-    python examples/token_pruning/train.py --device cuda --epochs 20
-
-Prints a table (accuracy, tokens the later blocks ran on, forward time) and writes
-results.json / results.md (and accuracy_vs_kept.png when matplotlib is installed) to --out.
+    python examples/token_pruning/train.py --quick                      # smoke test (CPU)
+    python examples/token_pruning/train.py --device cuda --budget 100 --out /tmp/tp
 """
 from __future__ import annotations
 
@@ -25,190 +22,352 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import N_PATCHES, TinyViT, make_shapes  # noqa: E402
+from data import ClutteredDigits  # noqa: E402
+from moe import MoE, load_cv  # noqa: E402
+from pruning import PrunedViT, make_vit  # noqa: E402
 
-FRACTIONS = (1.0, 0.75, 0.5, 0.25)
+PRUNE_LABELS = {"none": "unpruned", "soft": "soft top-K (fastlapsum, exact budget)",
+                "gated": "gated hard top-K (MoD-style)", "evit": "EViT CLS-attention top-K + fuse"}
+MOE_LABELS = {"ec_soft": "expert choice, exact-budget soft router",
+              "ec_hard": "expert choice, hard torch.topk", "tc": "token choice top-1, capacity"}
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--epochs", type=int, default=4, help="passes over the training set")
-    ap.add_argument("--steps", type=int, default=None, help="cap on optimiser steps per run")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--train-size", type=int, default=4000)
-    ap.add_argument("--test-size", type=int, default=2000)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--t-start", type=float, default=1.0, help="router temperature at step 0")
-    ap.add_argument("--t-end", type=float, default=0.05, help="router temperature at the last step")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="tiny data, a few steps (smoke test)")
-    ap.add_argument("--out", default=None,
-                    help="results folder (default: results/ next to this file; a temp folder with --quick)")
+    ap.add_argument("--out", default=None, help="results folder (default: a temp folder)")
+    ap.add_argument("--phases", default="prune,moe")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--keep", default="4,16", help="K values (patch tokens kept, of 64)")
+    ap.add_argument("--dim", type=int, default=192)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=3)
+    ap.add_argument("--patch", type=int, default=8, help="patch side; the digit fills one patch")
+    ap.add_argument("--canvas", type=int, default=64, help="image side in px (64 patch tokens at patch 8)")
+    ap.add_argument("--contrast", type=float, default=0.4, help="background photo contrast (digit is 1.0)")
+    ap.add_argument("--at", type=int, default=2, help="prune after this many blocks")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--steps", type=int, default=1500, help="optimiser steps per run (upper bound)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for all training of all phases; sets the steps by calibration")
+    ap.add_argument("--min-steps", type=int, default=200,
+                    help="with --budget: below this many steps per run, only the first K is run")
+    ap.add_argument("--moe-share", type=float, default=0.35, help="share of --budget for the MoE phase")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from start after which no new run starts")
+    ap.add_argument("--t-start", type=float, default=1.0, help="soft router temperature, first step")
+    ap.add_argument("--t-end", type=float, default=0.05, help="soft router temperature, last step")
+    ap.add_argument("--methods", default="soft,gated,evit,none", help="pruning methods to run")
+    ap.add_argument("--routers", default="ec_soft,ec_hard,tc", help="MoE routers to run")
+    ap.add_argument("--experts", type=int, default=4)
+    ap.add_argument("--moe-blocks", default="1,2", help="blocks whose MLP is the MoE (not the last: only CLS matters there)")
+    ap.add_argument("--n-test", type=int, default=4096)
+    ap.add_argument("--quick", action="store_true", help="tiny model, a few steps (smoke test)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.train_size, args.test_size, args.batch = 64, 64, 32
-        args.epochs, args.steps = 1, min(args.steps or 2, 2)
-    if args.out is None:  # a --quick run must not overwrite the measured results
-        args.out = (tempfile.mkdtemp(prefix="token_pruning_quick_") if args.quick
-                    else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+        args.dim, args.depth, args.heads, args.at, args.batch = 32, 3, 2, 1, 16
+        args.steps, args.n_test, args.seeds, args.keep, args.moe_blocks = 3, 64, "0,1", "4", "1"
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    args.keep = [int(k) for k in args.keep.split(",")]
+    args.moe_blocks = [int(b) for b in args.moe_blocks.split(",")]
+    args.phases = args.phases.split(",")
+    args.methods, args.routers = args.methods.split(","), args.routers.split(",")
+    if args.out is None:
+        args.out = tempfile.mkdtemp(prefix="token_pruning_")
     return args
 
 
-def progress(tag: str, step: int, total: int, loss: float, t: float):
-    """One self-overwriting text line (no tqdm dependency)."""
-    bar = "#" * int(20 * step / total)
-    end = "\n" if step == total else ""
-    print(f"\r  {tag:<14} [{bar:<20}] {step:>4}/{total} loss {loss:.3f} T {t:.3f}", end=end, flush=True)
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
-def train_one(prune: str, keep: int, data, args, dev) -> TinyViT:
-    torch.manual_seed(args.seed)  # same init and batch order for every variant
-    model = TinyViT(keep=keep, prune=prune).to(dev)
+def build_pruned(args, method, keep):
+    vit = make_vit(args.dim, args.depth, args.heads, args.patch, args.canvas)
+    return PrunedViT(vit, method, keep, args.at)
+
+
+def build_moe(args, router):
+    vit = make_vit(args.dim, args.depth, args.heads, args.patch, args.canvas)
+    for i in args.moe_blocks:
+        vit.blocks[i].mlp = MoE(args.dim, 4 * args.dim, args.experts, router)
+    return vit
+
+
+def moe_layers(model):
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def aux_loss(model):
+    return sum((m.aux_loss for m in moe_layers(model)), torch.zeros(()))
+
+
+def train_run(model, data, args, seed, steps, time_cap, dev):
+    """AdamW, warm-up + cosine; soft router temperature annealed geometrically."""
+    model.to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
-    xtr, ytr = data
-    steps_per_epoch = math.ceil(len(xtr) / args.batch)
-    total = args.epochs * steps_per_epoch
-    if args.steps is not None:
-        total = min(total, args.steps)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, args.lr, total_steps=total, pct_start=0.1)
-    step, tag = 0, f"{prune}/{keep}"
-    model.train()
-    while step < total:
-        perm = torch.randperm(len(xtr), device=dev)
-        for i in range(0, len(xtr), args.batch):
-            if step >= total:
+    warm = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    g = torch.Generator(device=dev).manual_seed(1000 + seed)
+    t0 = time.perf_counter()
+    done, loss = 0, float("nan")
+    for step in range(steps):
+        if isinstance(model, PrunedViT):
+            model.temperature = args.t_start * (args.t_end / args.t_start) ** (step / max(steps - 1, 1))
+        x, y = data.batch(args.batch, g)
+        out = model(x)
+        loss_t = F.cross_entropy(out, y) + aux_loss(model).to(out.device)
+        opt.zero_grad(set_to_none=True)
+        loss_t.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        done = step + 1
+        if step % 25 == 0 or done == steps:
+            loss = float(loss_t.detach())  # syncs
+            if time.perf_counter() - t0 > time_cap:
                 break
-            # geometric annealing: soft early (gradients reach many tokens), ~hard at the end
-            frac = step / max(total - 1, 1)
-            model.gate.temperature = args.t_start * (args.t_end / args.t_start) ** frac
-            b = perm[i:i + args.batch]
-            loss = F.cross_entropy(model(xtr[b]), ytr[b])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            step += 1
-            if step % 10 == 0 or step == total:
-                progress(tag, step, total, loss.item(), model.gate.temperature)
-    return model
+    sync(dev)
+    return {"steps": done, "train_s": time.perf_counter() - t0, "final_loss": loss}
 
 
 @torch.no_grad()
-def evaluate(model: TinyViT, data, dev, batch=500):
-    """Accuracy with hard top-k + gather (model.eval()), and the invariants seen on the way."""
+def eval_pruned(model, data, args, dev, chunk=512, timing_reps=12):
     model.eval()
-    x, y = data
-    correct, seen, moe_ok = 0, set(), True
-    moe = model.later[0].mlp
-    for i in range(0, len(x), batch):
-        logits = model(x[i:i + batch])
-        assert torch.isfinite(logits).all(), "non-finite logits"
-        correct += (logits.argmax(-1) == y[i:i + batch]).sum().item()
-        seen.update(model.last_tokens_seen)
-        moe_ok &= bool((moe.last_counts == moe.last_capacity).all())
-    return correct / len(x), sorted(seen), moe_ok
-
-
-@torch.no_grad()
-def forward_ms(model: TinyViT, x: torch.Tensor, reps: int) -> float:
-    """Median eval forward time of one batch, in ms."""
-    model.eval()
-    for _ in range(2):
-        model(x)
+    correct, ink_kept, ink_total, seen = 0, 0, 0, set()
+    for i in range(0, len(data.test_y), chunk):
+        x, y = data.test_x[i:i + chunk], data.test_y[i:i + chunk]
+        correct += int((model(x).argmax(-1) == y).sum())
+        seen.add(model.last_tokens_seen)
+        ink = data.digit_patches(x, args.patch)
+        ink_total += int(ink.sum())
+        if model.last_kept is not None:
+            ink_kept += int(ink.gather(1, model.last_kept).sum())
+        else:
+            ink_kept += int(ink.sum())
+    x = data.test_x[:chunk]
     times = []
-    for _ in range(reps):
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    for _ in range(timing_reps):
+        sync(dev)
+        t = time.perf_counter()
         model(x)
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+        sync(dev)
+        times.append(time.perf_counter() - t)
+    return {"accuracy": correct / len(data.test_y), "tokens_seen": sorted(seen),
+            "ink_recall": ink_kept / max(ink_total, 1), "forward_ms": 1e3 * statistics.median(times[2:])}
 
 
-def write_outputs(rows, meta, out_dir):
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    lines = ["| method | kept | K | accuracy | tokens in blocks 2-3 | forward ms | speed-up |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['method']} | {r['kept_pct']} % | {r['K']} | {100 * r['accuracy']:.1f} % | "
-                     f"{r['tokens_seen']} | {r['forward_ms']:.2f} | {r['speedup']:.2f}x |")
-    table = "\n".join(lines)
-    with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(f"# Token pruning results ({meta['device']})\n\n{table}\n\n"
-                f"{meta['note']}\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: skipping accuracy_vs_kept.png")
-        return table
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for method, style in (("learned (SoftTopK)", "o-"), ("hard (detached router)", "s--")):
-        pts = sorted((r["kept_pct"], 100 * r["accuracy"]) for r in rows if r["method"] == method)
-        ax.plot(*zip(*pts), style, label=method)
-    ax.set_xlabel("patch tokens kept (%)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.invert_xaxis()
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "accuracy_vs_kept.png"), dpi=120)
-    return table
+@torch.no_grad()
+def eval_moe(model, data, dev, chunk=512):
+    model.eval()
+    correct, cv, cv_wanted, unproc, dropped, tokens = 0, [], [], 0, 0, 0
+    for i in range(0, len(data.test_y), chunk):
+        x, y = data.test_x[i:i + chunk], data.test_y[i:i + chunk]
+        correct += int((model(x).argmax(-1) == y).sum())
+        for m in moe_layers(model):
+            s = m.stats
+            cv.append(load_cv(s["counts"]))
+            cv_wanted.append(load_cv(s["wanted"]))
+            unproc += s["unprocessed"]
+            dropped += s["dropped"]
+            tokens += s["tokens"]
+    return {"accuracy": correct / len(data.test_y), "load_cv": statistics.mean(cv),
+            "wanted_cv": statistics.mean(cv_wanted), "dropped_frac": dropped / tokens,
+            "unprocessed_frac": unproc / tokens}
 
 
-def main(argv=None) -> dict:
+def router_grad_probe(model, data, args, dev):
+    """One training batch: the fraction of (token, expert) router logits that receive a
+    nonzero gradient, averaged over the MoE layers."""
+    model.train()
+    g = torch.Generator(device=dev).manual_seed(99)
+    x, y = data.batch(args.batch, g)
+    layers = moe_layers(model)
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    for m in layers:
+        m.logits.retain_grad()
+    F.cross_entropy(out, y).backward()
+    fr = [float((m.logits.grad != 0).float().mean()) for m in layers]
+    model.zero_grad(set_to_none=True)
+    return statistics.mean(fr)
+
+
+def calibrate(model, data, args, dev, n=8):
+    """Seconds per training step of `model` (after 3 warm-up steps)."""
+    model.to(dev).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    g = torch.Generator(device=dev).manual_seed(7)
+    for i in range(3 + n):
+        if i == 3:
+            sync(dev)
+            t = time.perf_counter()
+        x, y = data.batch(args.batch, g)
+        loss = F.cross_entropy(model(x), y) + aux_loss(model).to(dev)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    sync(dev)
+    return (time.perf_counter() - t) / n
+
+
+def mean_std(v):
+    return (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0)
+
+
+def pm(v, scale=100.0, digits=1):
+    m, s = mean_std([scale * a for a in v])
+    return f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def table(title, seeds, runs, key, header, cells):
+    """Markdown table, one row per key(run) in first-seen order, cells(runs) -> row cells."""
+    if not runs:
+        return []
+    lines = [f"{title} (seeds {seeds}, mean ± std over the seeds run; steps per run: "
+             f"{sorted({r['steps'] for r in runs})})", "",
+             "| " + " | ".join(header) + " | seeds |", "|---" + "|---:" * len(header) + "|"]
+    for k in dict.fromkeys(key(r) for r in runs):
+        rs = [r for r in runs if key(r) == k]
+        lines.append("| " + " | ".join(cells(rs)) + f" | {len(rs)} |")
+    return lines + [""]
+
+
+def write_results(res, out):
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({k: v for k, v in res.items() if k != "models"}, f, indent=1, default=str)
+    lines = [f"Config: {res['config']}", ""]
+    lines += table(
+        "Token pruning", res["seeds"], res["prune_runs"], lambda r: (r["method"], r["K"]),
+        ["method", "K (of 64 patch tokens)", "tokens after block", "test accuracy %",
+         "digit patches kept %", "forward ms (512 imgs)"],
+        lambda rs: [PRUNE_LABELS[rs[0]["method"]], str(rs[0]["K"]), str(rs[0]["tokens_seen"][0]),
+                    pm([r["accuracy"] for r in rs]), pm([r["ink_recall"] for r in rs]),
+                    f"{statistics.median(r['forward_ms'] for r in rs):.2f}"])
+    lines += table(
+        "MoE routing", res["seeds"], res["moe_runs"], lambda r: r["router"],
+        ["router", "test accuracy %", "load CV (processed)", "load CV (wanted)", "tokens dropped %",
+         "tokens no expert ran %", "router logits with gradient %"],
+        lambda rs: [MOE_LABELS[rs[0]["router"]], pm([r["accuracy"] for r in rs]),
+                    pm([r["load_cv"] for r in rs], 1, 3), pm([r["wanted_cv"] for r in rs], 1, 3),
+                    pm([r["dropped_frac"] for r in rs]), pm([r["unprocessed_frac"] for r in rs]),
+                    pm([r["router_grad_frac"] for r in rs])])
+    if res["errors"]:
+        lines += ["Errors:", ""] + [f"- {e}" for e in res["errors"]] + [""]
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write("\n".join(lines))
+
+
+def main(argv=None):
     args = parse_args(argv)
+    threads = torch.get_num_threads()
+    if args.quick:  # a tiny model on a shared CPU: one thread is faster than several
+        torch.set_num_threads(1)
+    try:
+        return _main(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(args):
+    start = time.perf_counter()
     dev = torch.device(args.device)
-    t_run = time.perf_counter()
-    train = [t.to(dev) for t in make_shapes(args.train_size, seed=args.seed)]
-    test = [t.to(dev) for t in make_shapes(args.test_size, seed=args.seed + 10_000)]
-    timing_batch = test[0][:256]
-    reps = 3 if args.quick else 20
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    os.makedirs(args.out, exist_ok=True)
+    data = ClutteredDigits(dev, n_backgrounds=64 if args.quick else 2048, n_test=args.n_test,
+                           contrast=args.contrast, canvas=args.canvas,
+                           sizes=(args.patch, args.patch), align=args.patch)
+    print(f"data ready in {time.perf_counter() - start:.1f}s", flush=True)
+    import timm
+    res = {"config": (f"timm {timm.__version__} VisionTransformer dim {args.dim}, depth {args.depth}, "
+                      f"heads {args.heads}, patch {args.patch}, {args.canvas}x{args.canvas} input "
+                      f"({(args.canvas // args.patch) ** 2} patch tokens), prune after "
+                      f"block {args.at}, batch {args.batch}, lr {args.lr}, device {dev}, torch {torch.__version__}"),
+           "seeds": args.seeds, "prune_runs": [], "moe_runs": [], "errors": [], "phase_s": {}, "models": {}}
 
-    # 100 %: one unpruned model, shared by both tables (soft_topk with k = n keeps everything)
-    runs = [("none", N_PATCHES)] + [(p, round(f * N_PATCHES)) for f in FRACTIONS[1:] for p in ("learned", "hard")]
-    results = {}
-    for (prune, k) in runs:
-        model = train_one(prune, k, train, args, dev)
-        acc, seen, moe_ok = evaluate(model, test, dev)
-        assert seen == [k], f"{prune}/{k}: later blocks saw {seen} patch tokens, expected exactly {k}"
-        assert moe_ok, "an expert did not get exactly C tokens"
-        results[(prune, k)] = dict(acc=acc, seen=seen[0], ms=forward_ms(model, timing_batch, reps),
-                                   model=model)
+    def out_of_time(phase, t_phase):
+        """Past the global deadline, or (with --budget) this phase well past its share,
+        so that a slow phase cannot starve the next one."""
+        now = time.perf_counter()
+        if args.deadline is not None and now - start > args.deadline:
+            return True
+        return args.budget is not None and now - t_phase > 1.25 * args.budget * shares[phase] + 5
 
-    base = results[("none", N_PATCHES)]
-    rows = []
-    for method, prune in (("learned (SoftTopK)", "learned"), ("hard (detached router)", "hard")):
-        for f in FRACTIONS:
-            k = round(f * N_PATCHES)
-            r = base if k == N_PATCHES else results[(prune, k)]
-            rows.append(dict(method=method, kept_pct=int(100 * f), K=k, accuracy=r["acc"],
-                             tokens_seen=r["seen"], forward_ms=r["ms"], speedup=base["ms"] / r["ms"]))
-    wall = time.perf_counter() - t_run
-    meta = dict(device=str(dev), torch=torch.__version__, threads=torch.get_num_threads(),
-                epochs=args.epochs, steps=args.steps, batch=args.batch, train_size=args.train_size,
-                test_size=args.test_size, seed=args.seed, wall_s=round(wall, 1),
-                note=(f"Forward time: median of {reps} eval forwards of a {len(timing_batch)}-image batch; "
-                      f"100 % is the same unpruned model in both methods. Tokens = patch tokens "
-                      f"blocks 2-3 ran on (plus CLS). Wall time of the whole run: {wall:.0f} s."))
-    table = write_outputs(rows, meta, args.out)
-    print(table)
-    print(meta["note"])
-    print(f"results written to {args.out}")
-    return dict(rows=rows, meta=meta, models={f"{p}/{k}": r["model"] for (p, k), r in results.items()})
+    pruned = [m for m in args.methods if m != "none"]
+    phases = {"prune": [("prune", m, k) for k in args.keep for m in pruned]
+              + [("prune", "none", (args.canvas // args.patch) ** 2)] * ("none" in args.methods),
+              "moe": [("moe", r, None) for r in args.routers]}
+    shares = {p: args.moe_share if p == "moe" else 1 - args.moe_share * ("moe" in args.phases)
+              for p in args.phases}
+    for phase in args.phases:
+        t_phase = time.perf_counter()
+        try:
+            jobs = phases[phase]
+            n_runs = len(jobs) * len(args.seeds)
+            steps, cap = args.steps, float("inf")
+            if args.budget is not None:
+                per_run = args.budget * shares[phase] / n_runs
+                probe = build_pruned(args, "soft", args.keep[0]) if phase == "prune" else build_moe(args, "ec_soft")
+                step_s = calibrate(probe, data, args, dev)
+                del probe
+                steps = max(10, min(args.steps, int(0.9 * per_run / step_s)))
+                if phase == "prune" and steps < args.min_steps and len(args.keep) > 1:
+                    # too few steps to learn: fewer K values, more steps for each run
+                    jobs = [j for j in jobs if j[2] in (args.keep[0], max(j[2] for j in jobs))]
+                    per_run = per_run * n_runs / (len(jobs) * len(args.seeds))
+                    n_runs = len(jobs) * len(args.seeds)
+                    steps = max(10, min(args.steps, int(0.9 * per_run / step_s)))
+                    res["errors"].append(f"prune: only K={args.keep[0]} run ({steps} steps per run; "
+                                         f"with every K it would have been under {args.min_steps})")
+                cap = 1.3 * per_run
+                print(f"[{phase}] {step_s * 1e3:.1f} ms/step -> {steps} steps per run, {n_runs} runs", flush=True)
+            for seed in args.seeds:
+                for _, name, keep in jobs:
+                    if out_of_time(phase, t_phase):
+                        res["errors"].append(f"{phase} {name} K={keep} seed {seed}: skipped (time limit)")
+                        continue
+                    torch.manual_seed(seed)
+                    model = build_pruned(args, name, keep) if phase == "prune" else build_moe(args, name)
+                    info = train_run(model, data, args, seed, steps, cap, dev)
+                    if phase == "prune":
+                        row = {"method": name, "K": keep, "seed": seed, **info, **eval_pruned(model, data, args, dev, timing_reps=4 if args.quick else 12)}
+                        res["prune_runs"].append(row)
+                        msg = f"acc {row['accuracy']:.3f} ink {row['ink_recall']:.2f}"
+                    else:
+                        row = {"router": name, "seed": seed, **info, **eval_moe(model, data, dev),
+                               "router_grad_frac": router_grad_probe(model, data, args, dev)}
+                        res["moe_runs"].append(row)
+                        msg = (f"acc {row['accuracy']:.3f} cv {row['load_cv']:.3f} drop {row['dropped_frac']:.3f} "
+                               f"grad {row['router_grad_frac']:.2f}")
+                    res["models"][f"{phase}/{name}/{keep}/{seed}"] = model
+                    print(f"[{phase}] {name:8s} K={keep} seed {seed}: {info['steps']} steps "
+                          f"{info['train_s']:.1f}s loss {info['final_loss']:.3f} {msg} "
+                          f"(t={time.perf_counter() - start:.0f}s)", flush=True)
+                    write_results(res, args.out)
+        except Exception as e:  # one phase failing must not lose the other's results
+            traceback.print_exc()
+            res["errors"].append(f"{phase}: {type(e).__name__}: {e}")
+        res["phase_s"][phase] = time.perf_counter() - t_phase
+        print(f"[{phase}] phase done in {res['phase_s'][phase]:.1f}s", flush=True)
+        write_results(res, args.out)
+    res["wall_s"] = time.perf_counter() - start
+    write_results(res, args.out)
+    print(open(os.path.join(args.out, "results.md")).read())
+    print(f"total {res['wall_s']:.1f}s; results in {args.out}", flush=True)
+    return res
 
 
 if __name__ == "__main__":
