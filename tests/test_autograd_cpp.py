@@ -44,16 +44,19 @@ def python_forwards(monkeypatch):
     return calls
 
 
-# (public function, its op call with per-row k / t, Function used by torch.func)
+def _soft_case(public, largest, mode):
+    return (public,
+            lambda x, k, t: ops.soft_topk_forward(x, k, t, largest, 0, mode)[0],
+            lambda x, k, t: A._SoftTopK.apply(x, k, t, largest, 0, mode)[0])
+
+
+# (public function, the op called directly, the Python Function torch.func uses)
 CASES = {
-    "soft": (lambda x, k, t: fl.soft_topk(x, k, t), lambda x, k, t: ops.soft_topk_forward(x, k, t, True, 0, MODE_SOFT)[0],
-             lambda x, k, t: A._SoftTopK.apply(x, k, t, True, 0, MODE_SOFT)[0]),
-    "log": (lambda x, k, t: fl.log_soft_topk(x, k, t, largest=False),
-            lambda x, k, t: ops.soft_topk_forward(x, k, t, False, 0, MODE_LOG)[0],
-            lambda x, k, t: A._SoftTopK.apply(x, k, t, False, 0, MODE_LOG)[0]),
-    "hard": (lambda x, k, t: fl.soft_topk(x, k, t, hard=True), lambda x, k, t: ops.soft_topk_forward(x, k, t, True, 0, MODE_HARD)[0],
-             lambda x, k, t: A._SoftTopK.apply(x, k, t, True, 0, MODE_HARD)[0]),
-    "threshold": (lambda x, k, t: fl.lapsum_threshold(x, k, t), lambda x, k, t: ops.lapsum_threshold(x, k, t, True, 0)[0],
+    "soft": _soft_case(lambda x, k, t: fl.soft_topk(x, k, t), True, MODE_SOFT),
+    "log": _soft_case(lambda x, k, t: fl.log_soft_topk(x, k, t, largest=False), False, MODE_LOG),
+    "hard": _soft_case(lambda x, k, t: fl.soft_topk(x, k, t, hard=True), True, MODE_HARD),
+    "threshold": (lambda x, k, t: fl.lapsum_threshold(x, k, t),
+                  lambda x, k, t: ops.lapsum_threshold(x, k, t, True, 0)[0],
                   lambda x, k, t: A._Threshold.apply(x, k, t, True, 0)[0]),
 }
 
