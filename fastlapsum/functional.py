@@ -69,14 +69,9 @@ def _check_x(x: torch.Tensor, dim, what: str) -> tuple[int, int]:
     _check_tensor(x, what)
     if not x.is_floating_point():
         raise TypeError(f"{what}: x must be float16, bfloat16, float32 or float64, got {x.dtype}")
-    nd = x.dim()
-    if nd == 0:
+    if x.dim() == 0:
         raise ValueError(f"{what}: x must have at least one dimension to select along")
-    d = dim if type(dim) is int else _as_int(dim, "dim", what)
-    if not -nd <= d < nd:
-        raise IndexError(f"{what}: dim {d} out of range for a {nd}-d tensor")
-    if d < 0:
-        d += nd
+    d = _check_dim(x, dim, what)
     n = x.shape[d]
     if n == 0:
         raise ValueError(f"{what}: the selection dimension is empty")
@@ -216,6 +211,9 @@ def _method(method: str, what: str) -> int:
     return METHODS[method]
 
 
+_NUMBERS = (int, float)  # exactly these types take the fast path (not bool, not NumPy)
+
+
 def _prepare(x, k, temperature, dim, method, what, integral=False) -> tuple:
     n, d = _check_x(x, dim, what)
     rows_x, batch = _as_rows(x, d)
@@ -228,9 +226,6 @@ def _prepare(x, k, temperature, dim, method, what, integral=False) -> tuple:
                       compiling=compiling)
         tt = _per_row(temperature, "temperature", x, batch, rows, positive=True, what=what, compiling=compiling)
     return rows_x, batch, d, kk, tt, _method(method, what)
-
-
-_NUMBERS = (int, float)
 
 
 def soft_topk(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *, dim: int = -1,
