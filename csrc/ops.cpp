@@ -1,5 +1,7 @@
 // Op schemas (one TORCH_LIBRARY block) and the CPU kernels. CUDA kernels register
-// themselves in their .cu files; see fastlapsum/_ops.py for fake kernels and autograd.
+// themselves in their .cu files, the autograd kernels in autograd/autograd_kernels.cpp;
+// see fastlapsum/_ops.py for fake kernels and fastlapsum/_autograd.py for the Python side
+// of autograd.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -82,6 +84,19 @@ TORCH_LIBRARY(fastlapsum, m) {
   // dtype and device, never its data.
   m.def("soft_regime(Tensor x, int method) -> int");
   m.def("topk_regime(Tensor x, int k, bool hard_mask) -> int");
+  // Python kernels (fastlapsum/_autograd.py) that the C++ autograd kernels
+  // (autograd/autograd_kernels.cpp) call for what a C++ autograd::Function cannot do:
+  // the VJPs written with differentiable PyTorch ops (a backward with create_graph) and the
+  // ops through their Python autograd.Function (inputs with a forward-mode tangent).
+  m.def("_soft_topk_vjp_graph(Tensor grad, Tensor x, Tensor k, Tensor t, Tensor b, bool largest,"
+        " bool log_mode) -> (Tensor, Tensor, Tensor)");
+  m.def("_lapsum_threshold_vjp_graph(Tensor grad_b, Tensor x, Tensor k, Tensor t, Tensor b,"
+        " bool largest) -> (Tensor, Tensor, Tensor)");
+  m.def("_lapsum_threshold_python(Tensor x, Tensor k, Tensor t, bool largest, int method)"
+        " -> (Tensor, Tensor, Tensor)");
+  m.def("_soft_topk_forward_python(Tensor x, Tensor k, Tensor t, bool largest, int method, int mode)"
+        " -> (Tensor, Tensor, Tensor)");
+  m.def("_topk_python(Tensor x, int k, bool largest, bool sorted, Tensor? lengths) -> (Tensor, Tensor)");
 }
 
 namespace {

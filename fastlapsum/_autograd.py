@@ -1,14 +1,18 @@
 """Autograd for the custom ops in every mode; none of them silently zero.
 
-Each differentiable op (lapsum_threshold, soft_topk_forward, topk) has a
-torch.autograd.Function (setup_context form: backward, jvp, generated vmap rule):
-reverse mode, forward mode (forward_ad, torch.func.jvp / jacfwd), double backward,
-torch.func.grad / vjp / jacrev / hessian and torch.vmap. The public functions call it
-in eager mode (or the kernel directly when no derivative can be taken); under
-torch.compile they call the op, whose Autograd kernel (registered here) runs the same
-Function inside AOTAutograd. Every op has a vmap batching rule: a vmapped batch folds
-into the ops' rows. Refused with an error: forward-over-forward (jacfwd(jacfwd)) of the
-soft ops, and torch.func transforms of torch.ops.fastlapsum.* called directly.
+The ops' Autograd kernels are C++ (csrc/autograd/autograd_kernels.cpp): first-order
+reverse mode is a C++ autograd::Function whose backward calls the fused VJP op, so an
+eager forward + backward runs no Python autograd code. Everything else is here: each
+differentiable op (lapsum_threshold, soft_topk_forward, topk) has a
+torch.autograd.Function (setup_context form: backward, jvp, generated vmap rule) for
+forward mode (forward_ad, torch.func.jvp / jacfwd), torch.func.grad / vjp / jacrev /
+hessian and torch.vmap; the public functions call it under a torch.func transform, the
+C++ kernel calls it (through _<op>_python) for inputs with a forward-mode tangent, and
+its differentiable VJPs (through _soft_topk_vjp_graph / _lapsum_threshold_vjp_graph)
+when a backward must itself be differentiable (create_graph). Every op has a vmap
+batching rule: a vmapped batch folds into the ops' rows. Refused with an error:
+forward-over-forward (jacfwd(jacfwd)) of the soft ops, and torch.func transforms of
+torch.ops.fastlapsum.* called directly.
 
 First-order backward calls the fused kernels (ops.soft_topk_backward,
 ops.lapsum_threshold_backward). Only when the backward must itself be differentiable
@@ -33,7 +37,6 @@ import math
 from typing import Callable, NamedTuple, Optional
 
 import torch
-import torch.autograd.forward_ad as _fwad
 from torch import Tensor
 
 from ._ops import MODE_LOG
@@ -378,49 +381,21 @@ def _attach(x: Tensor, k: Tensor, t: Tensor, b: Tensor, largest: bool) -> Tensor
 
 
 # ---- registration --------------------------------------------------------------------
+# The ops' Autograd kernels are C++ (csrc/autograd/autograd_kernels.cpp): a C++
+# autograd::Function for first-order reverse mode. It calls back into Python through these
+# ops for what it cannot do itself.
 
-def _forward_ad_possible() -> bool:
-    """A forward-AD level or a torch.func transform is active (tangents may be present)."""
-    return torch._C._is_fwd_grad_enabled() and (
-        _fwad._current_level >= 0 or torch._C._are_functorch_transforms_active())
-
-
-def _differentiating(args) -> bool:
-    return (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)) or _forward_ad_possible()
+_lib.impl("_soft_topk_vjp_graph", soft_vjp_graph, "CompositeImplicitAutograd")
+_lib.impl("_lapsum_threshold_vjp_graph", threshold_vjp_graph, "CompositeImplicitAutograd")
 
 
-def run(fn: type, op, *args) -> tuple:
-    """The public functions' op call: the Function when some derivative may be taken,
-    else the kernel directly (no autograd bookkeeping). Under torch.compile the op
-    itself (dynamo does not trace a Function with a custom jvp; AOTAutograd runs the
-    op's Autograd kernel, i.e. the same Function)."""
-    if torch.compiler.is_compiling():
-        return op(*args)
-    if _differentiating(args):
-        return _apply(fn, *args)
-    with torch._C._AutoDispatchBelowAutograd():
-        return op(*args)
-
-
-def _autograd_kernel(op, fn: type) -> Callable:
-    after = torch._C._after_autograd_keyset
-
-    def kernel(keyset, *args) -> tuple:
-        if _differentiating(args):
-            if torch._C._are_functorch_transforms_active():
-                # a Function cannot re-enter functorch's dispatch from inside the op
-                raise RuntimeError(
-                    f"fastlapsum: torch.func transforms of {op} called directly are not "
-                    "supported; call the public functions (fastlapsum.soft_topk, ...)")
-            return _apply(fn, *args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & after, *args)
-
-    return kernel
+def _python_autograd(fn: type) -> Callable:
+    """An op through its Python Function: for inputs with a forward-mode tangent."""
+    return lambda *args: fn.eager.apply(*args)
 
 
 for _name, _fn in (("lapsum_threshold", _Threshold), ("soft_topk_forward", _SoftTopK), ("topk", _TopK)):
-    _lib.impl(_name, _autograd_kernel(getattr(ops, _name).default, _fn), "Autograd", with_keyset=True)
+    _lib.impl(f"_{_name}_python", _python_autograd(_fn), "CompositeImplicitAutograd")
 
 
 def _vmap_rows(op_name: str, n_out: int) -> None:
@@ -453,14 +428,30 @@ for _name, _n in (("lapsum_threshold", 3), ("soft_topk_forward", 3), ("lapsum_ma
 
 
 # ---- the public functions' entry points -----------------------------------------------
+# Under a torch.func transform, the Python Function (setup_context form: functorch runs its
+# backward, jvp and generated vmap rule); else the op, whose C++ Autograd kernel takes the
+# cheapest route that serves the call: the kernel alone, the C++ Function, or the Python
+# Function for inputs with a forward-mode tangent. Under torch.compile, the op (dynamo does
+# not trace a Function with a custom jvp; AOTAutograd traces the op's Autograd kernel).
+
+_func_active = torch._C._are_functorch_transforms_active
+_is_compiling = torch.compiler.is_compiling
+_SOFT_OP, _THRESHOLD_OP, _TOPK_OP = ops.soft_topk_forward.default, ops.lapsum_threshold.default, ops.topk.default
+
+
+def _run(fn: type, op, *args) -> tuple:
+    if _func_active() and not _is_compiling():
+        return fn.apply(*args)
+    return op(*args)
+
 
 def soft_topk_forward(x: Tensor, k: Tensor, t: Tensor, largest: bool, method: int, mode: int) -> tuple:
-    return run(_SoftTopK, ops.soft_topk_forward.default, x, k, t, largest, method, mode)
+    return _run(_SoftTopK, _SOFT_OP, x, k, t, largest, method, mode)
 
 
 def lapsum_threshold(x: Tensor, k: Tensor, t: Tensor, largest: bool, method: int) -> tuple:
-    return run(_Threshold, ops.lapsum_threshold.default, x, k, t, largest, method)
+    return _run(_Threshold, _THRESHOLD_OP, x, k, t, largest, method)
 
 
 def topk(x: Tensor, k: int, largest: bool, sorted: bool, lengths: Optional[Tensor]) -> tuple:
-    return run(_TopK, ops.topk.default, x, k, largest, sorted, lengths)
+    return _run(_TopK, _TOPK_OP, x, k, largest, sorted, lengths)

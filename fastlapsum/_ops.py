@@ -1,4 +1,5 @@
-"""The custom ops' Python side: fake (meta) kernels; autograd and vmap in _autograd.py.
+"""The custom ops' Python side: fake (meta) kernels; autograd and vmap in _autograd.py
+(the Autograd kernels themselves are C++: csrc/autograd/autograd_kernels.cpp).
 
 The schemas live in csrc/ops.cpp. Every op works on [rows, n] tensors with the
 selection dim last; fastlapsum/functional.py does the reshaping and validation.
@@ -73,4 +74,4 @@ def _(x, k, largest, sorted, lengths):
 # On CUDA every op is a native kernel (csrc/cuda/): soft_topk_forward fuses the
 # threshold and the mask for short rows and takes its hard mask from the exact selector.
 
-from . import _autograd  # noqa: E402,F401  (registers the Autograd kernels and vmap rules)
+from . import _autograd  # noqa: E402,F401  (registers the Python kernels the C++ autograd calls, and vmap rules)

@@ -137,47 +137,59 @@ def _per_row(v, name: str, x: torch.Tensor, batch, rows: int, *, positive: bool,
             # torch.full's fill value, would break the graph or specialize it (a recompile per
             # value); a multiply keeps it a graph input. Unchecked, like tensor values.
             return torch.ones(rows, dtype=torch.float64, device=x.device) * v
+    return _constant_rows((_number(v, name, positive=positive, upper=upper, integral=integral, what=what),),
+                          rows, x)[0]
+
+
+def _number(v, name: str, *, positive: bool, upper=None, integral=False, what: str) -> float:
+    """A real number's checks -> float."""
     f = float(v)
     if not math.isfinite(f) or (f <= 0 if positive else f < 0) or (upper is not None and f > upper):
         bound = "> 0" if positive else (f">= 0 and <= n = {upper}" if upper is not None else ">= 0")
         raise ValueError(f"{what}: {name} must be finite and {bound}, got {f}")
     if integral and f != round(f):
         raise ValueError(f"{what}: {name} must be integral when hard=True, got {f}")
-    return _constant_rows(f, rows, x.device)
+    return f
 
 
 # Per-row k / t tensors of Python numbers, reused across calls (the kernels and autograd
-# only read them). Keyed by value, rows, device and, on CUDA, the stream the fill ran on.
-# At most 64 entries of up to 2^16 rows (32 MiB); more rows are filled per call, a cost
-# small next to the kernels' at that size.
+# only read them). Keyed by the values, rows, device and, on CUDA, the stream the fill ran
+# on. At most 32 entries of up to two tensors of up to 2^16 rows (32 MiB); more rows are
+# filled per call, a cost small next to the kernels' at that size.
 _CONSTANT_ROWS: dict = {}
-_CONSTANT_ROWS_MAX = 64
+_CONSTANT_ROWS_MAX = 32
 _CONSTANT_ROWS_MAX_ROWS = 1 << 16
 
 
-def _constant_rows(f: float, rows: int, device: torch.device) -> torch.Tensor:
-    """float64 [rows] filled with f, from the cache when it can be. Not cached under a
-    dispatch mode or a torch.func transform (fake, traced or wrapped tensors, which must
-    not outlive them) nor during CUDA-graph capture (the fill would not have run, and a
-    graph must not read memory the cache may free)."""
-    if rows > _CONSTANT_ROWS_MAX_ROWS:
-        key = None
-    elif device.type == "cpu":
-        key = (f, rows, device)
-    elif device.type == "cuda" and not torch._C._cuda_isCurrentStreamCapturing():
-        key = (f, rows, device, torch._C._cuda_getCurrentStream(device.index)[0])
-    else:
-        key = None
-    if key is None or torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active():
-        return torch.full((rows,), f, dtype=torch.float64, device=device)
-    v = _CONSTANT_ROWS.get(key)
-    if v is None:
+def _cache_key(rows: int, x: torch.Tensor) -> Optional[tuple]:
+    """(rows, device[, stream]) when per-row constants for x may come from the cache, else
+    None: not under a dispatch mode or a torch.func transform (fake, traced or wrapped
+    tensors, which must not outlive them) nor during CUDA-graph capture (the fill would not
+    have run, and a graph must not read memory the cache may free)."""
+    if (rows > _CONSTANT_ROWS_MAX_ROWS or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._are_functorch_transforms_active()):
+        return None
+    if x.is_cuda:
+        if torch._C._cuda_isCurrentStreamCapturing():
+            return None
+        device = x.device
+        return rows, device, torch._C._cuda_getCurrentStream(device.index)[0]
+    return (rows, "cpu") if x.is_cpu else None
+
+
+def _constant_rows(values: tuple, rows: int, x: torch.Tensor) -> tuple:
+    """One float64 [rows] tensor on x's device per value, filled with it; from the cache
+    when it can be."""
+    key = _cache_key(rows, x)
+    got = None if key is None else _CONSTANT_ROWS.get(key := values + key)
+    if got is None:
         with torch.inference_mode(False):  # also usable outside inference mode later
-            v = torch.full((rows,), f, dtype=torch.float64, device=device)
-        if len(_CONSTANT_ROWS) >= _CONSTANT_ROWS_MAX:
-            _CONSTANT_ROWS.clear()
-        _CONSTANT_ROWS[key] = v
-    return v
+            got = tuple(torch.full((rows,), f, dtype=torch.float64, device=x.device) for f in values)
+        if key is not None:
+            if len(_CONSTANT_ROWS) >= _CONSTANT_ROWS_MAX:
+                _CONSTANT_ROWS.clear()
+            _CONSTANT_ROWS[key] = got
+    return got
 
 
 def _check_values(v: torch.Tensor, name, *, positive, upper, integral, what) -> None:
@@ -199,12 +211,20 @@ def _method(method: str, what: str) -> int:
     return METHODS[method]
 
 
+_NUMBERS = (int, float)  # exactly these types take the fast path (not bool, not NumPy)
+
+
 def _prepare(x, k, temperature, dim, method, what, integral=False) -> tuple:
     n, d = _check_x(x, dim, what)
     rows_x, batch = _as_rows(x, d)
     rows, compiling = rows_x.shape[0], torch.compiler.is_compiling()
-    kk = _per_row(k, "k", x, batch, rows, positive=False, upper=n, integral=integral, what=what, compiling=compiling)
-    tt = _per_row(temperature, "temperature", x, batch, rows, positive=True, what=what, compiling=compiling)
+    if not compiling and type(k) in _NUMBERS and type(temperature) in _NUMBERS:  # the common call
+        kk, tt = _constant_rows((_number(k, "k", positive=False, upper=n, integral=integral, what=what),
+                                 _number(temperature, "temperature", positive=True, what=what)), rows, x)
+    else:
+        kk = _per_row(k, "k", x, batch, rows, positive=False, upper=n, integral=integral, what=what,
+                      compiling=compiling)
+        tt = _per_row(temperature, "temperature", x, batch, rows, positive=True, what=what, compiling=compiling)
     return rows_x, batch, d, kk, tt, _method(method, what)
 
 

@@ -99,7 +99,8 @@ def test_cache_stays_bounded_and_plain():
         assert fl.soft_topk(fake, 4, 0.9).shape == x.shape
     with torch.inference_mode():
         fl.soft_topk(x, 4, 0.9)
-    assert all(type(v) is torch.Tensor and not v.is_inference() for v in F._CONSTANT_ROWS.values())
+    cached = [v for entry in F._CONSTANT_ROWS.values() for v in entry]
+    assert cached and all(type(v) is torch.Tensor and not v.is_inference() for v in cached)
     xg = x.clone().requires_grad_()
     (g,) = torch.autograd.grad(fl.soft_topk(xg, 4, 0.9)[:, 0].sum(), xg)
     assert bool(g.abs().sum() > 0)
@@ -129,14 +130,14 @@ def test_gradients_only_for_inputs_that_require_them(device):
 
 def test_dim_last_adds_no_view_nodes(device):
     """A 2-d x with dim last gets the op's own output (its grad_fn is the Function's
-    node); a 3-d x one reshape; a dim that is not last the movedim as before."""
+    node, the C++ Function's); a 3-d x one reshape; a dim that is not last the movedim as before."""
     x = scores(device, 4, 10).requires_grad_()
-    assert "SoftTopK" in type(fl.soft_topk(x, 3).grad_fn).__name__
-    assert "Threshold" in type(fl.lapsum_threshold(x, 3).grad_fn).__name__
+    assert fl.soft_topk(x, 3).grad_fn.name().endswith("SoftTopKFunction>")
+    assert fl.lapsum_threshold(x, 3).grad_fn.name().endswith("ThresholdFunction>")
     x3 = scores(device, 2, 4, 10).requires_grad_()
     node = fl.soft_topk(x3, 3).grad_fn
-    assert type(node).__name__ == "ViewBackward0"
-    assert "SoftTopK" in type(node.next_functions[0][0]).__name__
+    assert node.name() == "ViewBackward0"
+    assert node.next_functions[0][0].name().endswith("SoftTopKFunction>")
     p0 = fl.soft_topk(x3, 1, dim=0)
     torch.testing.assert_close(p0.sum(0), torch.ones(4, 10, device=device))
 
@@ -159,8 +160,9 @@ def test_cuda_graph_does_not_read_the_cache():
     want = fl.soft_topk(x, 5, 0.5)  # a cache entry for the current stream
     graph, out = capture_graph(lambda: fl.soft_topk(x, 5, 0.5))
     assert F._CONSTANT_ROWS
-    for v in F._CONSTANT_ROWS.values():
-        v.fill_(float("nan"))
+    for entry in F._CONSTANT_ROWS.values():
+        for v in entry:
+            v.fill_(float("nan"))
     F._CONSTANT_ROWS.clear()
     graph.replay()
     torch.cuda.synchronize()
