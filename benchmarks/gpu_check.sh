@@ -4,8 +4,9 @@
 # profiles and the examples on CUDA. Logs, JSON and plots go to $OUT, packed into
 # $OUT/gpu_check.tgz next to summary.txt. The files in benchmarks/results/ come from its
 # steps test, bench, bench_hard and timeline.
-#   device run:  bash benchmarks/gpu_check.sh     (STEPS="build test demo bench bench_hard")
-# Knobs: STEPS (also profile, timeline, profile_topk, ncu, ncu_hard, ncu_source, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
+#   device run:  bash benchmarks/gpu_check.sh     (STEPS="build test demo bench bench_hard"; carry
+#                [".whl", ".gsplat_ext"] when present: see below)
+# Knobs: STEPS (also user_shapes, eager, profile, timeline, profile_topk, ncu, ncu_hard, ncu_source, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
 # NCU_KERNELS, NCU_SIZES, NCU_HARD_SHAPE, NCU_HARD_K, NCU_METRICS, NCU_EXTRA (e.g. --section SourceCounters),
 # NCU_SRC_KERNEL, NCU_SRC_SKIP, NCU_SRC_CMD (step ncu_source), BUDGET (seconds for the whole script).
 # SLOW (0: skip slow tests), PYTEST_EXTRA (unquoted words only), BENCH_ARGS, BENCH_HARD_ARGS, and the examples' own gpu_run.sh (each writes its README's table).
@@ -18,6 +19,15 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16
 export PYTHONUNBUFFERED=1
 STEPS=${STEPS:-"build test demo bench bench_hard"}
 PY=${PY:-.venv/bin/python}
+# Carried packages (device README): wheels in .whl/ (FlashInfer, gsplat, the L0 peers) and
+# gsplat's compiled extension in .gsplat_ext/ (so it does not rebuild for ~100 s).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [ -d .gsplat_ext ]; then
+  mkdir -p /tmp/torch_ext && cp -r .gsplat_ext/* /tmp/torch_ext/ && export TORCH_EXTENSIONS_DIR=/tmp/torch_ext
+fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } > "$L/env.txt" 2>&1
 cat "$L/env.txt"
 status=0
@@ -43,6 +53,8 @@ for step in $STEPS; do
       run tests "${TEST_TIMEOUT:-420}" $PY -m pytest ${TEST_PATHS:-tests} -q -rs "$@" ${PYTEST_EXTRA:-} ;;
     demo) run demo 300 $PY examples/demo.py ;;
     bench) run bench_soft "${BENCH_TIMEOUT:-420}" $PY benchmarks/bench_soft_topk.py ${BENCH_ARGS:-} --out "$L/soft_topk_h200.json" ;;
+    user_shapes) run user_shapes 300 $PY benchmarks/bench_user_shapes.py --out "$L/user_shapes_h200.json" ;;
+    eager) run eager 200 $PY benchmarks/bench_eager.py --device cuda --out "$L/eager_h200.json" ;;
     bench_hard) run bench_hard "${BENCH_TIMEOUT:-420}" $PY benchmarks/bench_hard_topk.py ${BENCH_HARD_ARGS:-} --out "$L/hard_topk_h200.json" ;;
     profile) FASTLAPSUM_DEPENDENT_LAUNCH=0 run profile 120 $PY benchmarks/profile_kernels.py --sizes ${PROFILE_SIZES:-1e6 1e8} && FASTLAPSUM_DEPENDENT_LAUNCH=0 $PY benchmarks/profile_kernels.py --rows 16 --sizes 4096 >> "$L/profile.log" ;;
     timeline)  # each launch of one soft forward in order, without and with dependent launches
