@@ -5,8 +5,8 @@ adv-lib and a calibrated PGD-L0, on the same images, model and budgets.
     python examples/l0_attack/attack.py --device cuda --out DIR    # 224x224 resnet18 (gpu_run.sh)
 
 Phases, in order (each with a time cap; a failing phase is logged and the others still report):
-  train      resnet18 on random crops of the skimage.data photos (data.py); then the
-             Brendel-Bethge worker processes start compiling (peers.py)
+  train      resnet18 on random crops of the skimage.data photos (data.py), while the
+             Brendel-Bethge worker processes compile numba's solver (peers.py)
   al_sigma0  adv-lib sigma_zero; its verified adversarials become BB's starting points
   calibrate  PGD-L0 step size per K: every eta of the grid at every K, on a calibration
              split (never the evaluation crops), all etas of one K in one batched run
@@ -72,7 +72,9 @@ def parse_args(argv=None):
     ap.add_argument("--train-batch", type=int, default=None)
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds for the whole run; phases get shares of it (default 118; quick 300: its caps only guard)")
-    ap.add_argument("--methods", default=",".join(FIXED + MINIMISERS))
+    ap.add_argument("--methods", default=None,
+                    help="comma-separated subset of the methods (default all; --quick: all but fb_bb, "
+                         "whose numba compilation alone takes longer than the smoke run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default 1 on CPU: on a small shared machine OpenMP "
@@ -81,7 +83,8 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None, help="output folder (a temp folder with --quick)")
     a = ap.parse_args(argv)
     d = dict(size=224, budgets="256,512,1024,2048", images=16, calib=8, steps=150, calib_steps=75,
-             peer_steps=500, bb_steps=80, bb_workers=8, train_steps=600, train_batch=64, time_budget=118.0)
+             peer_steps=500, bb_steps=80, bb_workers=6, train_steps=600, train_batch=64, time_budget=118.0)
+    d["methods"] = ",".join(m for m in FIXED + MINIMISERS if not (a.quick and m == "fb_bb"))
     if a.quick:
         d.update(size=32, budgets="4,16", images=3, calib=2, steps=12, calib_steps=6, peer_steps=8,
                  bb_steps=3, bb_workers=1, train_steps=20, train_batch=8, time_budget=300.0)
@@ -238,6 +241,20 @@ def compact(res):
 
 
 def run_phases(args, res, clock, dev, log, procs):
+    # ---- Brendel-Bethge workers: compile numba during training, attack once sigma-zero's
+    # adversarials exist
+    bb_dir = res["_bb_dir"] = tempfile.mkdtemp(prefix="l0_bb_")  # not in --out: keep it to results
+    bb_deadline = clock.wall0 + args.time_budget - 3
+    if "fb_bb" in args.methods:
+        if importlib.util.find_spec("numba") is None:
+            res["errors"]["fb_bb"] = "needs numba (not installed)"
+        elif "al_sigma0" not in args.methods:
+            res["errors"]["fb_bb"] = "starts from al_sigma0, which is not run"
+        else:
+            procs += peers.bb_start(bb_dir, args.size, args, bb_deadline)
+            log(f"[fb_bb] {len(procs)} worker process(es) started (numba compile; deadline "
+                f"{bb_deadline - clock.wall0:.0f} s)")
+
     # ---- data and model
     t = clock.now()
     photos = data.load_photos(dev)
@@ -259,19 +276,6 @@ def run_phases(args, res, clock, dev, log, procs):
         f"({res['phases']['train']:.1f} s)")
     res["_model"], res["_x"], res["_y"], res["_xc"], res["_yc"] = model, x, y, xc, yc
     save(res, args.out)
-
-    # ---- Brendel-Bethge workers: compile numba now, attack once sigma-zero's points exist
-    bb_dir = res["_bb_dir"] = tempfile.mkdtemp(prefix="l0_bb_")  # not in --out: keep it to results
-    bb_deadline = clock.wall0 + args.time_budget - 3
-    if "fb_bb" in args.methods:
-        if importlib.util.find_spec("numba") is None:
-            res["errors"]["fb_bb"] = "needs numba (not installed)"
-        elif "al_sigma0" not in args.methods:
-            res["errors"]["fb_bb"] = "starts from al_sigma0, which is not run"
-        else:
-            procs += peers.bb_start(bb_dir, model, args.size, args, bb_deadline)
-            log(f"[fb_bb] {len(procs)} worker process(es) started (numba compile; deadline "
-                f"{bb_deadline - clock.wall0:.0f} s)")
 
     order = ["al_sigma0", "calibrate", "ours", "pgd", "al_fmn", "fb_fmn", "fb_bb"]
     etas = {}
@@ -299,13 +303,13 @@ def run_phases(args, res, clock, dev, log, procs):
                 adv, n = peers.run_chunked(fn, x, y, 16 if dev.type == "cuda" else 4, cap, log)
                 sync(dev)
                 record(res, name, None, model, x, y, adv, time.perf_counter() - tk, log, attacked=n)
-                if name == "al_sigma0" and procs:
-                    u8, ok = res["adv"][(name, None)]
-                    starts = [u8[i].float().div(255) if ok[i] else None for i in range(len(y))]
-                    peers.bb_give_starts(bb_dir, x, y, starts)
         except Exception as e:
             res["errors"][name] = repr(e)
             log(f"    {name} failed or skipped: {e!r}")
+        if name == "al_sigma0" and procs:  # always, so that the workers never wait in vain
+            u8, ok = res["adv"].get((name, None), (None, torch.zeros(len(y), dtype=torch.bool)))
+            starts = [u8[i].float().div(255) if ok[i] else None for i in range(len(y))]
+            peers.bb_give_starts(bb_dir, model, x, y, starts)
         res["phases"][name] = clock.now() - t
         save(res, args.out)
 

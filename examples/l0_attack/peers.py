@@ -4,8 +4,9 @@ L0BrendelBethgeAttack, adv-lib fmn(norm=0) and sigma_zero, plus the run-time hel
 
 Brendel-Bethge's L0 step is a numba solver run per image on the CPU (~0.1-0.2 s per step at
 224x224x3) and numba compiles it on first use (tens of seconds). So BB runs in worker
-processes started right after training: each compiles the solver, waits for its starting
-points (sigma-zero's verified adversarials, written by the main process), and attacks its
+processes started before training: each compiles the solver (on a random-init model),
+waits for the trained model and its starting points (sigma-zero's verified adversarials,
+written by the main process), and attacks its
 share of the images one at a time until a wall-clock deadline, while the main process runs
 the other attacks on the GPU. The workers run the model on the CPU (one thread each), so
 they never share the GPU with the attacks whose times are measured there.
@@ -89,21 +90,21 @@ def run_chunked(fn, x, y, chunk, cap, log):
 # Brendel-Bethge in worker processes
 # --------------------------------------------------------------------------------------
 
-def bb_start(wdir, model, size, args, deadline):
-    """Write the model and start args.bb_workers processes; returns the Popen objects."""
+def bb_start(wdir, size, args, deadline):
+    """Start args.bb_workers processes; returns the Popen objects."""
     os.makedirs(wdir, exist_ok=True)
-    torch.save(dict(state={k: v.cpu() for k, v in model.state_dict().items()}, size=size,
-                    steps=args.bb_steps, workers=args.bb_workers,
-                    deadline=deadline), os.path.join(wdir, "model.pt"))
+    torch.save(dict(size=size, steps=args.bb_steps, workers=args.bb_workers, deadline=deadline),
+               os.path.join(wdir, "cfg.pt"))
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attack.py")
     return [subprocess.Popen([sys.executable, script, "--bb-worker", wdir, str(r)])
             for r in range(args.bb_workers)]
 
 
-def bb_give_starts(wdir, x, y, starts):
-    """Hand the workers the images, labels and starting points (None: no start, skipped)."""
+def bb_give_starts(wdir, model, x, y, starts):
+    """Hand the workers the model, images, labels and starting points (None: no start)."""
     tmp = os.path.join(wdir, "starts.tmp")
-    torch.save(dict(x=x.cpu(), y=y.cpu(), starts=[None if s is None else s.cpu() for s in starts]), tmp)
+    torch.save(dict(state={k: v.cpu() for k, v in model.state_dict().items()}, x=x.cpu(), y=y.cpu(),
+                    starts=[None if s is None else s.cpu() for s in starts]), tmp)
     os.replace(tmp, os.path.join(wdir, "starts.pt"))  # atomic: a worker never reads half a file
 
 
@@ -134,19 +135,18 @@ def bb_collect(wdir, procs, x, deadline, log):
 
 def bb_worker(wdir, rank):
     """One BB worker (a child process): compile numba's solver on a dummy problem, wait for
-    starting points, attack images rank, rank + workers, ... one at a time until the deadline,
-    saving after each image."""
+    the model and starting points, attack images rank, rank + workers, ... one at a time
+    until the deadline, saving after each image."""
     import foolbox as fb
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import data
 
-    cfg = torch.load(os.path.join(wdir, "model.pt"))
+    cfg = torch.load(os.path.join(wdir, "cfg.pt"))
     dev = torch.device("cpu")
     torch.set_num_threads(1)
-    model = data.make_model()
-    model.load_state_dict(cfg["state"])
-    model = model.to(dev).eval()
+    torch.manual_seed(rank)
+    model = data.make_model().eval()  # random init for the compile run; trained weights later
     for p in model.parameters():
         p.requires_grad_(False)
     fmodel = fb.PyTorchModel(model, bounds=(0, 1))
@@ -177,6 +177,7 @@ def bb_worker(wdir, rank):
             return
         time.sleep(0.2)
     s = torch.load(starts_file)
+    model.load_state_dict(s["state"])
     atk = fb.attacks.L0BrendelBethgeAttack(steps=cfg["steps"])
     for i in range(rank, len(s["x"]), cfg["workers"]):
         if s["starts"][i] is None:
