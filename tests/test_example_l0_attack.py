@@ -86,6 +86,52 @@ def test_foolbox_style_call():
         assert (model(adv).argmax(1)[ok] != y[ok]).all()
 
 
+class _Threshold(nn.Module):
+    """Class 1 iff channel 0 of pixel (0, 0) exceeds t; a decision boundary between two
+    8-bit levels."""
+
+    def __init__(self, t):
+        super().__init__()
+        self.t = t
+
+    def forward(self, x):
+        z = (x[:, 0, 0, 0] - self.t) * 1e4
+        return torch.stack([torch.zeros_like(z), z], 1)
+
+
+def test_check_rounds_away_from_clean_when_nearest_undoes_the_attack():
+    attack = _load("attack")
+    c = 128 / 255
+    model = _Threshold(c + 0.3 / 255)
+    x = torch.full((3, 3, 4, 4), c)
+    y = torch.zeros(3, dtype=torch.long)
+    adv = x.clone()
+    adv[0, 0, 0, 0] = c + 0.4 / 255   # float adversarial; nearest rounds back to clean
+    adv[1, 0, 0, 0] = c + 0.7 / 255   # nearest rounding (c + 1/255) stays adversarial
+    adv[1, 1, 2, 2] = c + 0.2 / 255   # ... and drops this sub-level change
+    adv[2, 1, 3, 3] = c + 0.4 / 255   # not adversarial in float nor in either rounding
+    u8, l0, mis, fmis = attack.check(model, x, y, adv)
+    assert fmis.tolist() == [True, True, False]
+    assert mis.tolist() == [True, True, False]
+    assert l0.tolist() == [1, 1, 0]
+    assert u8[0, 0, 0, 0] == 129 and u8[1, 0, 0, 0] == 129 and u8[1, 1, 2, 2] == 128
+    assert (model(u8.float() / 255).argmax(1) == torch.tensor([1, 1, 0])).all()
+
+
+def test_pgd_per_image_eta():
+    lib = _load("lapsum_l0")
+    model = _tiny_model()
+    x = torch.round(torch.rand(4, 3, 10, 10, generator=torch.Generator().manual_seed(3)) * 255) / 255
+    y = model(x).argmax(1)
+    atk = lib.PGDL0(model, k=4, steps=5, eta=torch.tensor([0.03, 0.1, 0.3, 1.0]))
+    atk(x, y)
+    assert atk.best_margin.shape == (4,) and torch.isfinite(atk.best_margin).all()
+    with pytest.raises(ValueError, match="eta has 4 values for 2 images"):
+        atk(x[:2], y[:2])
+    with pytest.raises(ValueError, match="eta"):
+        lib.PGDL0(model, k=4, eta=-1.0)
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("l0_quick")
@@ -132,3 +178,8 @@ def test_quick_run_invariants(quick):
     assert len(saved["rows"]) == len(res["rows"])
     md = (out / "results.md").read_text()
     assert "| method |" in md and "LapSumL0" in md and "adv-lib sigma_zero" in md
+    # the log alone carries the results: the table and one parseable JSON line at the end
+    log = (out / "log.txt").read_text()
+    assert md.strip() in log
+    line = [ln for ln in log.splitlines() if ln.startswith("RESULTS_JSON ")]
+    assert len(line) == 1 and len(json.loads(line[0][len("RESULTS_JSON "):])["rows"]) == len(res["rows"])

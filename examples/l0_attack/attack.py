@@ -4,43 +4,52 @@ adv-lib and a calibrated PGD-L0, on the same images, model and budgets.
     python examples/l0_attack/attack.py --quick                    # CPU smoke run (temp folder)
     python examples/l0_attack/attack.py --device cuda --out DIR    # 224x224 resnet18 (gpu_run.sh)
 
-Phases (each with a time cap; a failing phase is logged and the others still report):
-  train      resnet18 on random crops of the skimage.data photos (data.py)
-  calibrate  PGD-L0 step size per K, chosen on a calibration split (never the evaluation crops)
+Phases, in order (each with a time cap; a failing phase is logged and the others still report):
+  train      resnet18 on random crops of the skimage.data photos (data.py), while the
+             Brendel-Bethge worker processes compile numba's solver (peers.py)
+  al_sigma0  adv-lib sigma_zero; its verified adversarials become BB's starting points
+  calibrate  PGD-L0 step size per K: every eta of the grid at every K, on a calibration
+             split (never the evaluation crops), all etas of one K in one batched run
   ours, pgd  fixed-budget attacks at each K (LapSumL0, PGDL0 in lapsum_l0.py)
-  peers      minimum-L0 attacks: foolbox L0FMNAttack, foolbox L0BrendelBethgeAttack (needs
-             numba), adv-lib fmn(norm=0), adv-lib sigma_zero
+  al_fmn, fb_fmn   adv-lib fmn(norm=0), foolbox L0FMNAttack (minimum L0, from the clean image)
+  fb_bb      foolbox L0BrendelBethgeAttack results collected from the workers (needs numba)
 
-Every adversarial image is re-checked after 8-bit quantisation (the model is run again on
-the quantised image) and its L0 is counted in pixels (a pixel changed in any channel counts
+Every candidate is re-checked after 8-bit quantisation (the model is run again on the
+quantised image) and its L0 is counted in pixels (a pixel changed in any channel counts
 once). Fixed-budget methods: success at K. Minimum-L0 methods: the fraction of images whose
-found adversarial has pixel-L0 <= K, and the median pixel L0 (inf when under half succeed).
-Writes results.json, results.md, examples.png and log.txt to --out.
+adversarial has pixel-L0 <= K, and the median pixel L0. Writes results.json, results.md,
+examples.png and log.txt to --out, and prints the table and a RESULTS_JSON line at the end.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import time
-import types
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data  # noqa: E402
-from lapsum_l0 import LapSumL0, PGDL0, pixel_l0, quantise  # noqa: E402
+import peers  # noqa: E402
+from lapsum_l0 import LapSumL0, PGDL0, pixel_l0  # noqa: E402
 
 FIXED = ("ours", "pgd")
-MINIMISERS = ("fb_fmn", "fb_bb", "al_fmn", "al_sigma0")
+MINIMISERS = ("al_sigma0", "al_fmn", "fb_fmn", "fb_bb")
 LABELS = {"ours": "LapSumL0 (fastlapsum, exact-budget ST mask)",
           "pgd": "PGD-L0 (step size from calibration split)",
-          "fb_fmn": "foolbox L0FMNAttack", "fb_bb": "foolbox L0BrendelBethgeAttack",
+          "fb_fmn": "foolbox L0FMNAttack", "fb_bb": "foolbox L0BrendelBethgeAttack (from sigma-zero)",
           "al_fmn": "adv-lib fmn(norm=0)", "al_sigma0": "adv-lib sigma_zero"}
+# phase caps as shares of --time-budget (118 s on the GPU: inside gpu_run.sh's 140 s with
+# ~12 s of imports); each is a guard well above the phase's estimated time
+SHARES = dict(train=0.19, al_sigma0=0.135, calibrate=0.085, ours=0.145, pgd=0.145, al_fmn=0.135,
+              fb_fmn=0.17)
 
 
 def parse_args(argv=None):
@@ -51,16 +60,21 @@ def parse_args(argv=None):
     ap.add_argument("--images", type=int, default=None, help="evaluation images (correctly classified)")
     ap.add_argument("--calib", type=int, default=None, help="calibration images for PGD-L0's step size")
     ap.add_argument("--steps", type=int, default=None, help="steps of ours and PGD-L0 per restart")
+    ap.add_argument("--calib-steps", type=int, default=None, help="PGD-L0 steps per calibration run")
     ap.add_argument("--restarts", type=int, default=1)
-    ap.add_argument("--peer-steps", type=int, default=None, help="steps of FMN / sigma-zero / BB")
+    ap.add_argument("--peer-steps", type=int, default=None, help="steps of FMN and sigma-zero")
+    ap.add_argument("--bb-steps", type=int, default=None, help="steps of Brendel-Bethge")
+    ap.add_argument("--bb-workers", type=int, default=None, help="Brendel-Bethge worker processes")
     ap.add_argument("--pgd-etas", default="0.03,0.1,0.3,1.0", help="PGD-L0 step-size grid")
     ap.add_argument("--lr", type=float, default=0.3)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--train-steps", type=int, default=None)
     ap.add_argument("--train-batch", type=int, default=None)
     ap.add_argument("--time-budget", type=float, default=None,
-                    help="seconds for the whole run; phases get shares of it (default 110; quick 300: its caps only guard)")
-    ap.add_argument("--methods", default=",".join(FIXED + MINIMISERS))
+                    help="seconds for the whole run; phases get shares of it (default 118; quick 300: its caps only guard)")
+    ap.add_argument("--methods", default=None,
+                    help="comma-separated subset of the methods (default all; --quick: all but fb_bb, "
+                         "whose numba compilation alone takes longer than the smoke run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default 1 on CPU: on a small shared machine OpenMP "
@@ -68,12 +82,13 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny CPU run (smoke test)")
     ap.add_argument("--out", default=None, help="output folder (a temp folder with --quick)")
     a = ap.parse_args(argv)
-    d = dict(size=224, budgets="4,16,64,256", images=32, calib=16, steps=150, peer_steps=250,
-             train_steps=600, train_batch=64, time_budget=110.0)
+    d = dict(size=224, budgets="256,512,1024,2048", images=16, calib=8, steps=150, calib_steps=75,
+             peer_steps=500, bb_steps=80, bb_workers=6, train_steps=600, train_batch=64, time_budget=118.0)
+    d["methods"] = ",".join(m for m in FIXED + MINIMISERS if not (a.quick and m == "fb_bb"))
     if a.quick:
-        d.update(size=32, budgets="4,16", images=3, calib=2, steps=12, peer_steps=8,
-                 train_steps=20, train_batch=8, time_budget=300.0)
-        a.pgd_etas = "0.3"
+        d.update(size=32, budgets="4,16", images=3, calib=2, steps=12, calib_steps=6, peer_steps=8,
+                 bb_steps=3, bb_workers=1, train_steps=20, train_batch=8, time_budget=300.0)
+        a.pgd_etas = "0.3,1.0"
     for k, v in d.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
@@ -94,7 +109,7 @@ class Clock:
     """Run-wide deadline: a phase's cap is its share of the budget, never past the end."""
 
     def __init__(self, budget):
-        self.t0, self.budget = time.perf_counter(), budget
+        self.t0, self.wall0, self.budget = time.perf_counter(), time.time(), budget
 
     def now(self):
         return time.perf_counter() - self.t0
@@ -103,79 +118,35 @@ class Clock:
         return max(0.0, min(share * self.budget, self.budget - self.now()))
 
 
-class TimeLimit:
-    """Raise TimeoutError in the main thread after `seconds` (SIGALRM): a phase that would
-    overrun its cap is cut, and the phases before it keep their results."""
-
-    def __init__(self, seconds):
-        self.seconds = seconds
-
-    @staticmethod
-    def _fire(signum, frame):
-        raise TimeoutError("time cap reached")
-
-    def __enter__(self):
-        if self.seconds <= 0:
-            raise TimeoutError("no time left")
-        self.old = signal.signal(signal.SIGALRM, self._fire)
-        signal.setitimer(signal.ITIMER_REAL, self.seconds)
-        return self
-
-    def __exit__(self, *exc):
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, self.old)
-        return False
+class Terminated(BaseException):
+    """SIGTERM (gpu_run.sh's timeout): leave the phases, still print what was measured."""
 
 
-# --------------------------------------------------------------------------------------
-# peers (each returns adversarial candidates for all images; the check happens later)
-# --------------------------------------------------------------------------------------
-
-def _adv_lib():
-    sys.modules.setdefault("visdom", types.ModuleType("visdom"))  # adv-lib imports it, unused here
-    from adv_lib.attacks import fmn, sigma_zero
-    return fmn, sigma_zero
-
-
-def peer_fn(name, model, steps):
-    if name in ("fb_fmn", "fb_bb"):
-        import foolbox as fb
-
-        fmodel = fb.PyTorchModel(model, bounds=(0, 1))
-        if name == "fb_fmn":
-            atk = fb.attacks.L0FMNAttack(steps=steps)
-        else:  # foolbox's documented initialisation: an init_attack that finds a starting point
-            atk = fb.attacks.L0BrendelBethgeAttack(
-                init_attack=fb.attacks.LinearSearchBlendedUniformNoiseAttack(), steps=steps)
-        return lambda x, y: atk(fmodel, x, y, epsilons=None)[1]
-    fmn, sigma_zero = _adv_lib()
-    if name == "al_fmn":
-        return lambda x, y: fmn(model, x, y, norm=0, steps=steps)
-    return lambda x, y: sigma_zero(model, x, y, num_steps=steps)
-
-
-def run_chunked(fn, x, y, chunk, cap, log):
-    """fn on chunks of images until the time cap; images not reached stay clean (failures)."""
-    out, t0, n = x.clone(), time.perf_counter(), 0
-    for i in range(0, len(x), chunk):
-        try:
-            with TimeLimit(cap - (time.perf_counter() - t0)):
-                adv = fn(x[i:i + chunk], y[i:i + chunk]).detach()
-        except TimeoutError:
-            log(f"    time cap {cap:.0f} s: attacked {n}/{len(x)} images (the rest count as failures)")
-            break
-        out[i:i + chunk] = adv
-        n = min(i + chunk, len(x))
-    return out, n
+def _terminate(signum, frame):
+    raise Terminated()
 
 
 @torch.no_grad()
 def check(model, x, y, adv):
-    """8-bit check of candidates: (uint8 images, pixel L0, misclassified) per image."""
-    u8 = torch.round(adv.clamp(0, 1) * 255).to(torch.uint8)
-    xq = u8.float() / 255
-    pred = torch.cat([model(xq[i:i + 32]).argmax(1) for i in range(0, len(xq), 32)])
-    return u8, pixel_l0(xq, x), pred != y
+    """8-bit check of candidates: (uint8 images, pixel L0, misclassified, float candidate
+    misclassified) per image. Two roundings are tried: to the nearest 8-bit level, and away
+    from the clean value in every changed channel (a minimum-norm peer's candidate sits on the
+    decision boundary and nearest rounding can pull it back); the adversarial one is kept,
+    nearest first. Both change no pixel the candidate did not change."""
+    adv = adv.clamp(0, 1)
+    x255, a255 = torch.round(x * 255), adv * 255
+    near = torch.round(a255)
+    away = torch.where(a255 > x255, torch.ceil(a255), torch.where(a255 < x255, torch.floor(a255), x255))
+
+    def mis(z):
+        return torch.cat([model(z[i:i + 32]).argmax(1) for i in range(0, len(z), 32)]) != y
+
+    f_mis = mis(adv)
+    m_near = mis(near / 255)
+    m_away = mis(away / 255)
+    q = torch.where((m_near | ~m_away).view(-1, 1, 1, 1), near, away)
+    u8 = q.to(torch.uint8)
+    return u8, pixel_l0(q / 255, x), m_near | m_away, f_mis
 
 
 def sync(dev):
@@ -188,26 +159,32 @@ def sync(dev):
 # --------------------------------------------------------------------------------------
 
 def calibrate_pgd(model, xc, yc, args, cap, log):
-    """Per K, the eta in the grid with the highest success on the calibration split (ties:
-    fewer mean steps). Never sees the evaluation images."""
-    best, t0, prev = {}, time.perf_counter(), args.pgd_etas[0]
+    """Per K, the eta of the grid with the most successes on the calibration split (ties:
+    fewer mean steps, then the lower mean best margin). One batched PGD-L0 run per K tries
+    every eta (each calibration image once per eta). Never sees the evaluation images; a K
+    the cap cuts gets no eta (its PGD-L0 row is then not run, never a silent default)."""
+    best, t0 = {}, time.perf_counter()
+    E, n = len(args.pgd_etas), len(yc)
+    xr, yr = xc.repeat(E, 1, 1, 1), yc.repeat(E)
+    etas = torch.tensor(args.pgd_etas).repeat_interleave(n)
     for K in args.budgets:
-        scores = []
-        for eta in args.pgd_etas:
-            atk = PGDL0(model, k=K, steps=args.steps, eta=eta, seed=args.seed + 1)
-            try:
-                with TimeLimit(cap - (time.perf_counter() - t0)):
-                    atk(xc, yc)
-            except TimeoutError:
-                log(f"    time cap {cap:.0f} s: K={K} grid cut after {len(scores)} value(s)")
-                break
-            scores.append((int(atk.success.sum()), -float(atk.steps_used.float().mean()), eta))
-        best[K] = prev = max(scores)[2] if scores else prev
-        log(f"    K={K}: eta {best[K]} (calibration successes {[s[0] for s in scores]} "
-            f"for etas {args.pgd_etas[:len(scores)]})")
+        atk = PGDL0(model, k=K, steps=args.calib_steps, eta=etas, seed=args.seed + 1)
+        tk = time.perf_counter()
+        try:
+            with peers.TimeLimit(cap - (time.perf_counter() - t0)):
+                atk(xr, yr)
+        except TimeoutError:
+            log(f"    time cap {cap:.0f} s: K={K} NOT calibrated (PGD-L0 will skip it)")
+            continue
+        succ = atk.success.view(E, n).sum(1).tolist()
+        steps = atk.steps_used.float().view(E, n).mean(1).tolist()
+        marg = atk.best_margin.clamp(min=-atk.kappa).view(E, n).mean(1).tolist()
+        j = max(range(E), key=lambda e: (succ[e], -steps[e], -marg[e]))
+        best[K] = args.pgd_etas[j]
+        log(f"    K={K}: eta {best[K]}  (etas {args.pgd_etas}: successes {succ}/{n}, mean steps "
+            f"{[round(v, 1) for v in steps]}, mean best margin {[round(v, 2) for v in marg]})  "
+            f"{time.perf_counter() - tk:.1f} s")
     return best
-
-
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -227,20 +204,62 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     res = dict(meta=dict(vars(args), device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                         torch=torch.__version__), rows=[], phases={}, errors={})
+                         torch=torch.__version__), rows=[], phases={}, errors={}, adv={})
+    old_term = signal.signal(signal.SIGTERM, _terminate)
+    procs = []
+    try:
+        run_phases(args, res, clock, dev, log, procs)
+    except Terminated:
+        res["errors"]["run"] = "terminated (SIGTERM)"
+        log("[terminated] printing what was measured")
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        for p in procs:  # BB workers this run started, if still running
+            if p.poll() is None:
+                p.kill()
+        if "_bb_dir" in res:
+            shutil.rmtree(res["_bb_dir"], ignore_errors=True)
+        res["meta"]["total_s"] = clock.now()
+        save(res, args.out)
+        log(f"[done] {clock.now():.1f} s; results in {args.out}")
+        log("")
+        log(results_md(res))
+        log("RESULTS_JSON " + json.dumps(compact(res), default=str, separators=(",", ":")))
+        logf.close()
+    return res
 
-    def save():
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump({k: v for k, v in res.items() if k != "adv" and not k.startswith("_")},
-                      f, indent=1, default=str)
-        with open(os.path.join(args.out, "results.md"), "w") as f:
-            f.write(results_md(res))
+
+def save(res, out):
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(dict(compact(res), split=res.get("split")), f, indent=1, default=str)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(results_md(res))
+
+
+def compact(res):
+    return {k: v for k, v in res.items() if k not in ("adv", "split") and not k.startswith("_")}
+
+
+def run_phases(args, res, clock, dev, log, procs):
+    # ---- Brendel-Bethge workers: compile numba during training, attack once sigma-zero's
+    # adversarials exist
+    bb_dir = res["_bb_dir"] = tempfile.mkdtemp(prefix="l0_bb_")  # not in --out: keep it to results
+    bb_deadline = clock.wall0 + args.time_budget - 3
+    if "fb_bb" in args.methods:
+        if importlib.util.find_spec("numba") is None:
+            res["errors"]["fb_bb"] = "needs numba (not installed)"
+        elif "al_sigma0" not in args.methods:
+            res["errors"]["fb_bb"] = "starts from al_sigma0, which is not run"
+        else:
+            procs += peers.bb_start(bb_dir, args.size, args, bb_deadline)
+            log(f"[fb_bb] {len(procs)} worker process(es) started (numba compile; deadline "
+                f"{bb_deadline - clock.wall0:.0f} s)")
 
     # ---- data and model
     t = clock.now()
     photos = data.load_photos(dev)
     model, tsteps = data.train(photos, args.size, args.train_steps, args.train_batch, args.seed,
-                               clock.cap(0.25), log)
+                               clock.cap(SHARES["train"]), log)
     n_pool = max(4 * (args.images + args.calib), 64)
     xe, ye, boxes_e = data.make_split(photos, n_pool, args.size, args.seed + 2)
     xc, yc, boxes_c = data.make_split(photos, n_pool, args.size, args.seed + 1)
@@ -256,78 +275,80 @@ def main(argv=None):
         f"attacking {len(y)} correctly classified {args.size}x{args.size} crops "
         f"({res['phases']['train']:.1f} s)")
     res["_model"], res["_x"], res["_y"], res["_xc"], res["_yc"] = model, x, y, xc, yc
-    res["adv"] = {}
-    save()
+    save(res, args.out)
 
-    # ---- PGD-L0 calibration (own split)
-    etas = {K: args.pgd_etas[0] for K in args.budgets}
-    if "pgd" in args.methods:
+    order = ["al_sigma0", "calibrate", "ours", "pgd", "al_fmn", "fb_fmn", "fb_bb"]
+    etas = {}
+    for name in order:
+        if name not in args.methods and not (name == "calibrate" and "pgd" in args.methods):
+            continue
+        if name == "fb_bb" and not procs:
+            continue
         t = clock.now()
-        log("[calibrate] PGD-L0 step size on the calibration split")
+        cap = clock.cap(SHARES.get(name, 1.0))
+        log(f"[{name}] {LABELS.get(name, 'PGD-L0 step size on the calibration split')} (cap {cap:.0f} s)")
         try:
-            etas = calibrate_pgd(model, xc, yc, args, clock.cap(0.13), log)
-        except Exception as e:  # fail soft: keep the grid's first value
-            res["errors"]["calibrate"] = repr(e)
-            log(f"    failed: {e!r}")
-        res["meta"]["pgd_eta"] = etas
-        res["phases"]["calibrate"] = clock.now() - t
-
-    shares = dict(ours=0.12, pgd=0.10, fb_fmn=0.08, fb_bb=0.08, al_fmn=0.08, al_sigma0=0.08)
-    for name in args.methods:
-        t = clock.now()
-        cap = clock.cap(shares[name])
-        log(f"[{name}] {LABELS[name]} (cap {cap:.0f} s)")
-        try:
-            if name in FIXED:
-                for K in args.budgets:
-                    sync(dev)
-                    tk = time.perf_counter()
-                    if name == "ours":
-                        atk = LapSumL0(model, k=K, steps=args.steps, restarts=args.restarts,
-                                       lr=args.lr, temperature=args.temperature, seed=args.seed)
-                    else:
-                        atk = PGDL0(model, k=K, steps=args.steps, restarts=args.restarts,
-                                    eta=etas[K], seed=args.seed)
-                    try:
-                        with TimeLimit(cap - (clock.now() - t)):
-                            adv = atk(x, y)
-                            sync(dev)
-                    except TimeoutError:
-                        log(f"    time cap {cap:.0f} s: K={K} not finished, not reported")
-                        res["errors"][f"{name}_K{K}"] = "time cap"
-                        continue
-                    record(res, name, K, model, x, y, adv, time.perf_counter() - tk, log,
-                           steps=float(atk.steps_used.float().mean()))
+            if name == "calibrate":
+                etas = calibrate_pgd(model, xc, yc, args, cap, log)
+                res["meta"]["pgd_eta"] = etas
+            elif name in FIXED:
+                fixed_phase(name, args, res, model, x, y, etas, cap, clock, t, dev, log)
+            elif name == "fb_bb":
+                adv, n, secs = peers.bb_collect(bb_dir, procs, x, bb_deadline, log)
+                record(res, name, None, model, x, y, adv, secs, log, attacked=n)
             else:
-                if name == "fb_bb":
-                    import numba  # noqa: F401  foolbox's BB needs it; missing -> reported as skipped
-                fn = peer_fn(name, model, args.peer_steps)
+                fn = peers.peer_fn(name, model, args.peer_steps)
                 sync(dev)
                 tk = time.perf_counter()
-                adv, n = run_chunked(fn, x, y, 16 if dev.type == "cuda" else 4, cap, log)
+                adv, n = peers.run_chunked(fn, x, y, 16 if dev.type == "cuda" else 4, cap, log)
                 sync(dev)
                 record(res, name, None, model, x, y, adv, time.perf_counter() - tk, log, attacked=n)
         except Exception as e:
             res["errors"][name] = repr(e)
             log(f"    {name} failed or skipped: {e!r}")
+        if name == "al_sigma0" and procs:  # always, so that the workers never wait in vain
+            u8, ok = res["adv"].get((name, None), (None, torch.zeros(len(y), dtype=torch.bool)))
+            starts = [u8[i].float().div(255) if ok[i] else None for i in range(len(y))]
+            peers.bb_give_starts(bb_dir, model, x, y, starts)
         res["phases"][name] = clock.now() - t
-        save()
+        save(res, args.out)
 
     try:
         plot_examples(res, os.path.join(args.out, "examples.png"))
     except Exception as e:
         res["errors"]["plot"] = repr(e)
-    res["meta"]["total_s"] = clock.now()
-    save()
-    log(f"[done] {clock.now():.1f} s; results in {args.out}")
-    logf.close()
-    return res
+
+
+def fixed_phase(name, args, res, model, x, y, etas, cap, clock, t, dev, log):
+    """ours or PGD-L0 at every K, one run per K; a K past the cap is logged, not reported."""
+    for K in args.budgets:
+        if name == "pgd" and K not in etas:
+            log(f"    K={K}: no calibrated step size, not run")
+            res["errors"][f"{name}_K{K}"] = "not calibrated"
+            continue
+        sync(dev)
+        tk = time.perf_counter()
+        if name == "ours":
+            atk = LapSumL0(model, k=K, steps=args.steps, restarts=args.restarts,
+                           lr=args.lr, temperature=args.temperature, seed=args.seed)
+        else:
+            atk = PGDL0(model, k=K, steps=args.steps, restarts=args.restarts, eta=etas[K], seed=args.seed)
+        try:
+            with peers.TimeLimit(cap - (clock.now() - t)):
+                adv = atk(x, y)
+                sync(dev)
+        except TimeoutError:
+            log(f"    time cap {cap:.0f} s: K={K} not finished, not reported")
+            res["errors"][f"{name}_K{K}"] = "time cap"
+            continue
+        record(res, name, K, model, x, y, adv, time.perf_counter() - tk, log,
+               steps=float(atk.steps_used.float().mean()))
 
 
 def record(res, name, K, model, x, y, adv, secs, log, steps=None, attacked=None):
     """Check the candidates after 8-bit quantisation and add this method's rows."""
-    u8, l0, mis = check(model, x, y, adv)
-    l0, mis = l0.cpu(), mis.cpu()
+    u8, l0, mis, fmis = check(model, x, y, adv)
+    l0, mis, fmis = l0.cpu(), mis.cpu(), fmis.cpu()
     n = len(y)
     if K is not None:  # fixed budget: success at this K only
         ok = mis & (l0 <= K)
@@ -343,10 +364,11 @@ def record(res, name, K, model, x, y, adv, secs, log, steps=None, attacked=None)
     for k in res["meta"]["budgets"]:
         res["rows"].append(dict(method=name, K=k, success=float((l0_eff <= k).float().mean()), n=n,
                                 median_l0=med, seconds=secs, attacked=attacked,
+                                float_adv=int(fmis.sum()), adv_8bit=int(mis.sum()),
                                 l0=[int(v) if o else -1 for v, o in zip(l0, mis)]))
-    log(f"    adversarial after quantisation {int(mis.sum())}/{n}, median pixel L0 {med:g}, "
-        f"success at K {[round(float((l0_eff <= k).float().mean()), 3) for k in res['meta']['budgets']]}"
-        f"  {secs:.1f} s")
+    log(f"    attacked {attacked}/{n}; adversarial in float {int(fmis.sum())}/{n}, after 8-bit rounding "
+        f"{int(mis.sum())}/{n}; median pixel L0 {med:g}; success at K "
+        f"{[round(float((l0_eff <= k).float().mean()), 3) for k in res['meta']['budgets']]}  {secs:.1f} s")
 
 
 def results_md(res):
@@ -355,28 +377,35 @@ def results_md(res):
     lines = [f"resnet18 trained from scratch, {m['size']}x{m['size']} crops of the skimage.data photos "
              f"({len(data.PHOTOS)} classes), {m.get('n_eval', '?')} correctly classified evaluation crops "
              f"(clean accuracy {m.get('clean_accuracy', float('nan')):.3f}), device {m['device_name']}; "
-             f"pixel L0 after 8-bit quantisation; ours/PGD-L0 {m['steps']} steps x {m['restarts']} restart(s), "
-             f"peers {m['peer_steps']} steps.", "",
-             "| method | kind | " + " | ".join(f"success K={k}" for k in ks) + " | median pixel L0 | time (s) |",
-             "|---|---|" + "---|" * len(ks) + "---|---|"]
+             f"pixel L0 after 8-bit rounding; ours/PGD-L0 {m['steps']} steps x {m['restarts']} restart(s) "
+             f"per K, FMN/sigma-zero {m['peer_steps']} steps, BB {m['bb_steps']} steps.", "",
+             "| method | kind | " + " | ".join(f"success K={k}" for k in ks)
+             + " | median pixel L0 | adversarial float / 8-bit | time (s) |",
+             "|---|---|" + "---|" * len(ks) + "---|---|---|"]
     for name in list(FIXED) + list(MINIMISERS):
         rows = [r for r in res["rows"] if r["method"] == name]
         if not rows and name not in res["errors"]:
             continue
         if not rows:
             lines.append(f"| {LABELS[name]} | — | " + " | ".join("—" for _ in ks)
-                         + f" | — | not run: {res['errors'][name][:60]} |")
+                         + f" | — | — | not run: {res['errors'][name][:60]} |")
             continue
         by_k = {r["K"]: r for r in rows}
         cells = [f"{by_k[k]['success']:.3f}" if k in by_k else "—" for k in ks]
         if name in FIXED:
-            kind, med, secs = "fixed K", "—", sum(r["seconds"] for r in rows)
+            kind, med, secs, fa = "fixed K", "—", sum(r["seconds"] for r in rows), "—"
         else:
-            kind, med, secs = "min L0", f"{rows[0]['median_l0']:g}", rows[0]["seconds"]
-        lines.append(f"| {LABELS[name]} | {kind} | " + " | ".join(cells) + f" | {med} | {secs:.1f} |")
+            r0 = rows[0]
+            kind, med, secs = "min L0", f"{r0['median_l0']:g}", r0["seconds"]
+            fa = f"{r0['float_adv']} / {r0['adv_8bit']} of {r0['n']}"
+            if r0["attacked"] is not None and r0["attacked"] < r0["n"]:
+                fa += f" ({r0['attacked']} attacked)"
+        lines.append(f"| {LABELS[name]} | {kind} | " + " | ".join(cells) + f" | {med} | {fa} | {secs:.1f} |")
     if "pgd_eta" in m:
         lines += ["", "PGD-L0 step size per K (chosen on the calibration split): "
-                  + ", ".join(f"K={k}: {v}" for k, v in m["pgd_eta"].items())]
+                  + ", ".join(f"K={k}: {m['pgd_eta'].get(k, 'not calibrated')}" for k in ks)]
+    if res["errors"]:
+        lines += ["", "Errors / cuts: " + "; ".join(f"{k}: {v[:80]}" for k, v in res["errors"].items())]
     return "\n".join(lines) + "\n"
 
 
@@ -412,4 +441,7 @@ def plot_examples(res, path, n_show=4):
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 4 and sys.argv[1] == "--bb-worker":
+        peers.bb_worker(sys.argv[2], int(sys.argv[3]))
+    else:
+        main()

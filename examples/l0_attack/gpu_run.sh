@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The README's table: one unattended run on one GPU, all attacks on the same images and K.
 #   examples/l0_attack/gpu_run.sh OUTDIR
-# The script budgets itself to ~110 s (phase caps, partial results saved after each phase);
+# The script budgets itself to 118 s after imports (phase caps, partial results saved after
+# each phase; the table and a RESULTS_JSON line printed at the end, also on SIGTERM);
 # `timeout` is the backstop. Writes OUTDIR/results.{json,md}, examples.png, log.txt, run.log.
+# Extra arguments go to attack.py (e.g. `--device cpu --size 64 ...` for a CPU check).
 set -u
 OUT=${1:?usage: gpu_run.sh OUTDIR}
 mkdir -p "$OUT"

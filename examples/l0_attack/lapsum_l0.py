@@ -131,6 +131,7 @@ class _L0Base(Attack):
             todo = (~self.success).nonzero()[:, 0]
             if len(todo) == 0:
                 break
+            self._rows = todo
             adv, ok, used = self._run(x[todo], y[todo], gen)
             self.steps_used[todo] += used
             out[todo] = adv  # an unsuccessful restart still returns a K-pixel image
@@ -199,11 +200,23 @@ class PGDL0(_L0Base):
     r"""Sparse PGD-L0 (Croce & Hein 2019): delta -= eta * g / mean|g|, clip x + delta to
     [0, 1], keep the k pixels with the largest ||delta_pixel||_2 (zero the rest); random
     sparse start. Same interface and 8-bit check as LapSumL0; eta should be chosen on
-    images other than the evaluated ones."""
+    images other than the evaluated ones. `eta` may be one value per image (a tensor of
+    length N), so one batched run can try several step sizes; `best_margin` holds each
+    image's lowest margin of the last call (a tie-break when no image is fooled)."""
 
     def __init__(self, model, k=10, steps=100, restarts=1, eta=0.1, kappa=2.0, seed=0):
         super().__init__("PGDL0", model, k, steps, restarts, kappa, seed)
-        self.eta = float(eta)
+        self.eta = torch.as_tensor(eta, dtype=torch.float32)
+        if self.eta.dim() > 1 or not bool((self.eta > 0).all()):
+            raise ValueError(f"eta must be a positive number or a 1-D tensor of them, got {eta}")
+
+    def forward(self, images, labels):
+        eta = self.eta.to(self.device if self.device is not None else images.device)
+        if eta.dim() == 1 and len(eta) != len(images):
+            raise ValueError(f"eta has {len(eta)} values for {len(images)} images")
+        self._eta_all = eta.expand(len(images)).clone()
+        self.best_margin = torch.full((len(images),), math.inf, device=eta.device)
+        return super().forward(images, labels)
 
     def _project(self, X, delta):
         R, C, H, W = delta.shape
@@ -221,11 +234,15 @@ class PGDL0(_L0Base):
         adv, ok = X.clone(), torch.zeros(R, dtype=torch.bool, device=dev)
         used = torch.full((R,), self.steps, dtype=torch.long, device=dev)
         ids = torch.arange(R, device=dev)
+        rows = self._rows  # row -> image index of the whole call (per-image eta, best margin)
+        eta = self._eta_all[rows].view(R, 1, 1, 1)
         for step in range(1, self.steps + 1):
             delta.requires_grad_(True)
             margin = self._goal(self.get_logits(X + delta), Y)
             g, = torch.autograd.grad(margin.clamp(min=-self.kappa).sum(), [delta])
             with torch.no_grad():
+                r = rows[ids]
+                self.best_margin[r] = torch.minimum(self.best_margin[r], margin.detach())
                 # rounding can move a clipped pixel's channels only within their own pixel,
                 # and untouched pixels stay exactly x, so the pixel count stays <= k
                 x_exact = quantise(X + delta)
@@ -234,12 +251,12 @@ class PGDL0(_L0Base):
                 if hit.any():
                     hit &= self._check(x_exact, Y)
                 g = g / g.abs().mean((1, 2, 3), keepdim=True).clamp(min=1e-20)
-                delta = self._project(X, delta.detach() - self.eta * g)
+                delta = self._project(X, delta.detach() - eta * g)
             if hit.any():
                 ok[ids[hit]] = True
                 used[ids[hit]] = step
                 keep = (~hit).nonzero()[:, 0]
-                X, Y, ids, delta = X[keep], Y[keep], ids[keep], delta[keep]
+                X, Y, ids, delta, eta = X[keep], Y[keep], ids[keep], delta[keep], eta[keep]
                 if len(ids) == 0:
                     break
         return adv, ok, used
