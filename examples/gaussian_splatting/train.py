@@ -271,8 +271,9 @@ def run_method(method, K, S, F, snap, pre, scene, args, spacing, clock, step0, p
                **extra)
     if "selector_s" in row:
         row["selector_share"] = row["selector_s"] / max(train_s, 1e-9)
+    sel = f" selector {row['selector_s']:.2f}s ({100 * row['selector_share']:.1f} %)" if "selector_s" in row else ""
     log(f"{tag}: PSNR {metrics['psnr']:.2f} SSIM {metrics['ssim']:.4f} N {metrics['n']} "
-        f"FPS {metrics['fps']:.0f} train {train_s:.1f}s", clock)
+        f"FPS {metrics['fps']:.0f} train {train_s:.1f}s{sel}", clock)
     return row, view
 
 
@@ -366,6 +367,9 @@ def main(argv=None) -> dict:
         res["errors"].append("interrupted")
     res["phases"]["total_s"] = clock.elapsed()
     save(plots=True)
+    # the log alone carries the table (a GPU machine may return the log without the other files)
+    with open(os.path.join(out, "results.md")) as f:
+        print(f.read(), flush=True)
     log(f"done in {clock.elapsed():.1f}s; outputs in {out}", clock)
     return res
 
