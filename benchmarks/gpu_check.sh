@@ -25,8 +25,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-if [ -d .gsplat_ext ]; then
-  mkdir -p /tmp/torch_ext && cp -r .gsplat_ext/* /tmp/torch_ext/ && export TORCH_EXTENSIONS_DIR=/tmp/torch_ext
+if [ -f .gsplat_ext/gsplat_cuda/gsplat_cuda.so ]; then  # see examples/gaussian_splatting/renderer.py
+  export GSPLAT_CUDA_SO=$PWD/.gsplat_ext/gsplat_cuda/gsplat_cuda.so
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } > "$L/env.txt" 2>&1
 cat "$L/env.txt"

@@ -13,10 +13,34 @@ depth-sorted front-to-back compositing that stops once transmittance would fall 
 It is dense (every Gaussian at every pixel, no tiles): for tiny scenes only. Without tiles a
 Gaussian also reaches pixels outside its 3-sigma box that gsplat's tile culling may skip.
 """
+import importlib.util
 import math
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
+
+
+def use_prebuilt_gsplat() -> None:
+    """Load gsplat's CUDA extension from GSPLAT_CUDA_SO (a gsplat_cuda.so built earlier for this
+    torch) instead of gsplat's JIT build. gsplat imports `gsplat.csrc` before compiling, and its
+    JIT step re-runs ninja whenever the object files are absent, a full rebuild (~100 s on a
+    16-core machine) even with the .so in place. Called before gsplat is first imported."""
+    path = os.environ.get("GSPLAT_CUDA_SO")
+    if not path or "gsplat.csrc" in sys.modules:
+        return
+    try:
+        spec = importlib.util.spec_from_file_location("gsplat_cuda", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError) as e:
+        print(f"GSPLAT_CUDA_SO={path} did not load ({e}); gsplat builds its own extension", flush=True)
+        return
+    sys.modules["gsplat.csrc"] = module
+
+
+use_prebuilt_gsplat()
 
 EPS2D = 0.3
 NEAR = 0.01
