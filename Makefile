@@ -1,6 +1,7 @@
 # Two commands for a fresh machine (see README.md):
 #   make demo   set up a venv, build, run the main demo
 #   make test   set up .venv, build (CUDA too when nvcc + a CUDA torch exist), run the tests
+#               (the examples' requirements, examples/*/requirements.txt, installed first when missing)
 #
 # Two venvs, each with the extension built against its own torch:
 #   .venv      test, build, test-all; and demo, bench on a machine with a GPU (nvidia-smi works).
