@@ -29,10 +29,7 @@ shape (ops and kernel launches by self CPU time) to eager_profile_<device>.txt n
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import time
 from typing import Callable, Optional
 
@@ -40,6 +37,7 @@ import torch
 from torch import nn
 
 import fastlapsum
+from timing import device_name, run_record, write_json
 
 SHAPES = [(16, 4096, 256), (1, 10**6, 62500), (64, 131072, 2048)]  # (rows, n, k)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -188,12 +186,8 @@ def main() -> None:
     args = ap.parse_args()
     shapes = args.shape or SHAPES
     dev = torch.device(args.device)
-    if dev.type == "cuda":
-        name = torch.cuda.get_device_name(dev)
-        tag = "h200" if "H200" in name else name.split()[-1].lower()
-    else:
-        name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-        tag = "cpu"
+    name = device_name(dev)
+    tag = ("h200" if "H200" in name else name.split()[-1].lower()) if dev.type == "cuda" else "cpu"
     cols = ["soft_fwd_us", "soft_fwd_grad_us", "soft_fwd_bwd_us", "st_fwd_us", "topk_us", "torch_topk_us",
             "torch_sigmoid_fwd_bwd_us", "soft_graph_us", "soft_fwd_bwd_graph_us", "module_step_us",
             "module_sigmoid_step_us"]
@@ -204,14 +198,12 @@ def main() -> None:
         row = bench_shape(rows, n, k, dev, args.iters, args.repeats)
         out_rows.append(row)
         print(f"{f'{rows} x {n}, {k}':>22} " + " ".join(_fmt(row[c]) for c in cols), flush=True)
-    result = dict(gpu=name, torch=torch.__version__, date=datetime.date.today().isoformat(),
-                  timing=f"per-call wall time of {args.iters} back-to-back calls, one sync at the end, "
-                         f"min over {args.repeats} repeats (µs); *_graph_us: CUDA-graph replay (device time)",
-                  rows=out_rows)
+    result = run_record(dev,
+                        timing=f"per-call wall time of {args.iters} back-to-back calls, one sync at the end, "
+                               f"min over {args.repeats} repeats (µs); *_graph_us: CUDA-graph replay (device time)",
+                        rows=out_rows)
     path = args.out or os.path.join(HERE, "results", f"eager_{tag}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {path}")
+    write_json(result, path)
     if args.profile:
         prof_path = os.path.join(os.path.dirname(path), f"eager_profile_{tag}.txt")
         with open(prof_path, "w") as f:

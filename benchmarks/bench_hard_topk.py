@@ -21,14 +21,12 @@ values must be x at the returned indices.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 
 import torch
 
 import fastlapsum
-from timing import bandwidth_header, graph_median_ms, median_ms
+from timing import bandwidth_header, graph_median_ms, median_ms, run_record, write_json
 
 KB = 1024
 MATRIX_M = [512, 1024, 2048, 4096, 8192]
@@ -159,8 +157,7 @@ def run(args):
         torch.cuda.empty_cache()
         n *= 10
 
-    return dict(gpu=torch.cuda.get_device_name(dev), torch=torch.__version__,
-                date=datetime.date.today().isoformat(), bandwidth_gbps=bw, rows=rows)
+    return run_record(dev, bandwidth_gbps=bw, rows=rows)
 
 
 def main():
@@ -174,9 +171,7 @@ def main():
     result = run(args)
     bad = [r for r in result["rows"] if r.get("exact") is False]
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.out}")
+        write_json(result, args.out)
     if bad:
         raise SystemExit(f"{len(bad)} case(s) NOT EXACT")
 

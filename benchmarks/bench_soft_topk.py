@@ -14,16 +14,13 @@ adversarial rows of the tests.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import platform
 
 import torch
 
 import fastlapsum
 from fastlapsum import reference
-from timing import bandwidth_header, graph_median_ms, graph_median_ms_or_none, median_ms
+from timing import bandwidth_header, graph_median_ms, graph_median_ms_or_none, median_ms, run_record, write_json
 
 FWD_PASSES, BWD_PASSES = 3, 4
 ROUTER = [(65536, 256, 8), (16384, 64, 2)]  # (rows, n, k): MoE-router shapes
@@ -117,10 +114,8 @@ def run(args):
             print(f"{name:>16} {method:>8}: {paths[-1]['path']:>14} attempts {paths[-1]['attempts']} "
                   f"middle {paths[-1]['middle_size']:>9,}  {ms:8.3f} ms  budget err {err:.1e}")
 
-    return dict(
-        gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
-        torch=torch.__version__,
-        date=datetime.date.today().isoformat(),
+    return run_record(
+        dev,
         bandwidth_gbps=bw,
         cuda_threshold_solver="on-chip sort for rows <= 4096; certified sample bracket (sample 4 n^(2/3); rows <= 2^21: its middle set sorted on chip when it fits one CTA), radix fallback",
         timing="ours_ms: eager, CUDA events around one call (host launch overhead included); "
@@ -143,9 +138,7 @@ def main():
     args = ap.parse_args()
     result = run(args)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.out}")
+        write_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,12 @@ The floors use the copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 
 import torch
 
 import fastlapsum
-from timing import bandwidth_header, graph_median_ms_or_none
+from timing import bandwidth_header, graph_median_ms_or_none, run_record, write_json
 
 SHAPES = [  # name, rows, n, k
     ("moe_token_choice_256", 65536, 256, 8),
@@ -131,8 +129,7 @@ def run(args):
                   f"{f(row['flashinfer_ms'])} | budget {budget:.1e} {'exact' if exact else 'NOT EXACT'}", flush=True)
             del x, xg, g, p
             torch.cuda.empty_cache()
-    return dict(gpu=torch.cuda.get_device_name(dev), torch=torch.__version__,
-                date=datetime.date.today().isoformat(), bandwidth_gbps=bw, rows=rows)
+    return run_record(dev, bandwidth_gbps=bw, rows=rows)
 
 
 def main():
@@ -144,9 +141,7 @@ def main():
         raise SystemExit("needs a CUDA device and the CUDA build of fastlapsum")
     result = run(args)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.out}")
+        write_json(result, args.out)
     if any(not r["hard_exact"] for r in result["rows"]):
         raise SystemExit("fastlapsum.topk NOT EXACT on a shape")
 

@@ -6,6 +6,9 @@ Not part of the installed package: scripts in benchmarks/ import it as `timing` 
 folder is on sys.path); examples/demo.py and the CUDA tests put benchmarks/ on sys.path."""
 from __future__ import annotations
 
+import datetime
+import json
+import platform
 import statistics
 import time
 from typing import Callable
@@ -97,3 +100,22 @@ def graph_median_ms_or_none(fn: Callable[[], object], *, reps: int = 20) -> floa
     except RuntimeError as e:
         print(f"    graph capture failed: {str(e).splitlines()[0][:160]}")
         return None
+
+
+def device_name(device: str | torch.device) -> str:
+    """The GPU's name, or the CPU's with its thread count: a result file's "gpu" field."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def run_record(device: str | torch.device, **fields) -> dict:
+    """A benchmark's result: where and when it ran (gpu, torch, date), then its own fields."""
+    return dict(gpu=device_name(device), torch=torch.__version__, date=datetime.date.today().isoformat(), **fields)
+
+
+def write_json(result: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
