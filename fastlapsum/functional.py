@@ -105,6 +105,9 @@ def _checking_values() -> bool:
     return not torch.compiler.is_compiling()
 
 
+_NUMBERS = (int, float)  # exactly these types take the fast path (not bool, not NumPy)
+
+
 def _tensor_per_row(v: torch.Tensor, name: str, x: torch.Tensor, batch, rows: int, *, positive: bool, upper,
                     integral: bool, what: str, compiling: bool) -> torch.Tensor:
     if v.is_complex() or v.dtype == torch.bool:
@@ -126,7 +129,7 @@ def _tensor_per_row(v: torch.Tensor, name: str, x: torch.Tensor, batch, rows: in
 def _per_row(v, name: str, x: torch.Tensor, batch, rows: int, *, positive: bool, upper=None, integral=False,
              what: str, compiling: bool) -> torch.Tensor:
     """A number or a tensor broadcastable to the batch shape -> float64 [rows]."""
-    if compiling or (type(v) is not float and type(v) is not int):  # else the eager fast path
+    if compiling or type(v) not in _NUMBERS:  # else the eager fast path
         if isinstance(v, torch.Tensor):
             return _tensor_per_row(v, name, x, batch, rows, positive=positive, upper=upper, integral=integral,
                                    what=what, compiling=compiling)
@@ -209,9 +212,6 @@ def _method(method: str, what: str) -> int:
     if method not in METHODS:
         raise ValueError(f"{what}: method must be one of {sorted(METHODS)}, got {method!r}")
     return METHODS[method]
-
-
-_NUMBERS = (int, float)  # exactly these types take the fast path (not bool, not NumPy)
 
 
 def _prepare(x, k, temperature, dim, method, what, integral=False) -> tuple:
