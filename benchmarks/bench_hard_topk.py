@@ -26,7 +26,7 @@ import math
 import torch
 
 import fastlapsum
-from timing import bandwidth_header, graph_median_ms, median_ms, run_record, write_json
+from timing import bandwidth_header, graph_median_ms, median_ms, require_cuda_build, run_record, write_json
 
 KB = 1024
 MATRIX_M = [512, 1024, 2048, 4096, 8192]
@@ -166,8 +166,7 @@ def main():
     ap.add_argument("--max-n", type=float, default=1e9, help="largest single row")
     ap.add_argument("--out", default=None, help="write the JSON here")
     args = ap.parse_args()
-    if not (torch.cuda.is_available() and fastlapsum.has_cuda_kernels()):
-        raise SystemExit("needs a CUDA device and the CUDA build of fastlapsum")
+    require_cuda_build()
     result = run(args)
     bad = [r for r in result["rows"] if r.get("exact") is False]
     if args.out:

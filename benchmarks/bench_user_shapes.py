@@ -28,7 +28,7 @@ import os
 import torch
 
 import fastlapsum
-from timing import bandwidth_header, graph_median_ms_or_none, run_record, write_json
+from timing import bandwidth_header, graph_median_ms_or_none, require_cuda_build, run_record, write_json
 
 SHAPES = [  # name, rows, n, k
     ("moe_token_choice_256", 65536, 256, 8),
@@ -137,8 +137,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20, help="graph replays per timing")
     ap.add_argument("--out", default=None, help="write the JSON here")
     args = ap.parse_args()
-    if not (torch.cuda.is_available() and fastlapsum.has_cuda_kernels()):
-        raise SystemExit("needs a CUDA device and the CUDA build of fastlapsum")
+    require_cuda_build()
     result = run(args)
     if args.out:
         write_json(result, args.out)

@@ -119,3 +119,10 @@ def write_json(result: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")
+
+
+def require_cuda_build() -> None:
+    """Exit unless a CUDA device and fastlapsum's CUDA kernels are both here."""
+    import fastlapsum
+    if not (torch.cuda.is_available() and fastlapsum.has_cuda_kernels()):
+        raise SystemExit("needs a CUDA device and the CUDA build of fastlapsum")
