@@ -118,6 +118,23 @@ def test_check_rounds_away_from_clean_when_nearest_undoes_the_attack():
     assert (model(u8.float() / 255).argmax(1) == torch.tensor([1, 1, 0])).all()
 
 
+def test_foolbox_l0fmn_projection_in_range():
+    """foolbox 3.3.4's L0FMNAttack.project indexes past the row at epsilon == d (the whole
+    image); the benchmark's subclass keeps every feature there and matches it below d."""
+    fb = pytest.importorskip("foolbox")
+    ep = pytest.importorskip("eagerpy")
+    cls = _load("peers")._l0fmn_class(fb)
+    torch.manual_seed(0)
+    x0, x = ep.astensor(torch.zeros(2, 3, 4, 4)), ep.astensor(torch.rand(2, 3, 4, 4))
+    whole = ep.astensor(torch.tensor([48.0, 5.0]))
+    with pytest.raises(IndexError):
+        fb.attacks.L0FMNAttack(steps=1).project(x, x0, whole)
+    kept = (cls(steps=1).project(x, x0, whole).raw != 0).flatten(1).sum(1)
+    assert kept.tolist() == [48, 6]  # foolbox keeps epsilon + 1 features below d
+    below = ep.astensor(torch.tensor([47.0, 0.0]))
+    assert torch.equal(cls(steps=1).project(x, x0, below).raw, fb.attacks.L0FMNAttack(steps=1).project(x, x0, below).raw)
+
+
 def test_pgd_per_image_eta():
     lib = _load("lapsum_l0")
     model = _tiny_model()

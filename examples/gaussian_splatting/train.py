@@ -133,9 +133,11 @@ def render(params, opac, viewmats, Ks, scene, backend):
 
 def train(params, opts, scene, args, steps, step0, gen, clock, tag, *, strategy=None, sstate=None,
           adc=None, adc_state=None):
-    """steps of training from step0; stops early at its share of the wall budget (ADC may
-    take twice its share: the size it reaches is what every method starts from)."""
-    cap = clock.cap(steps, 2.0 if adc is not None else 1.0)
+    """steps of training from step0; stops early at its share of the wall budget. ADC and the
+    score phases may take twice their share: ADC's size is what every method starts from, and
+    the bisection selector's score steps cost more than the others' (every method must get
+    the same steps)."""
+    cap = clock.cap(steps, 2.0 if adc is not None or strategy is not None else 1.0)
     t0 = clock.now()
     ids = scene["train"]
     done, loss = 0, torch.tensor(float("nan"))

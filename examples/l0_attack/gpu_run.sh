@@ -9,6 +9,8 @@ set -u
 OUT=${1:?usage: gpu_run.sh OUTDIR}
 mkdir -p "$OUT"
 HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the built fastlapsum of this checkout
 PY=${PYTHON:-python3}
 start=$(date +%s)
 timeout -k 5 140 "$PY" "$HERE/attack.py" --device cuda --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/run.log"

@@ -55,13 +55,28 @@ def _adv_lib():
     return fmn, sigma_zero
 
 
+def _l0fmn_class(fb):
+    """foolbox 3.3.4's L0FMNAttack with its projection's index kept in range. Its `project`
+    reads position `epsilon` of each row's sorted |delta| (d features), out of range once the
+    L0 ball has grown to the whole image (epsilon == d: an IndexError on the CPU, a device
+    assert on CUDA that ends the process's CUDA context). Clamped to d - 1 that position keeps
+    every feature, which is what epsilon == d asks for; below d nothing changes."""
+
+    class L0FMN(fb.attacks.L0FMNAttack):
+        def project(self, x, x0, epsilon):
+            d = int(torch.tensor(x0.shape[1:]).prod())
+            return super().project(x, x0, epsilon.minimum(d - 1))
+
+    return L0FMN
+
+
 def peer_fn(name, model, steps):
     """fn(x, y) -> adversarial candidates, every peer started from the clean images."""
     if name == "fb_fmn":
         import foolbox as fb
 
         fmodel = fb.PyTorchModel(model, bounds=(0, 1))
-        atk = fb.attacks.L0FMNAttack(steps=steps)
+        atk = _l0fmn_class(fb)(steps=steps)
         return lambda x, y: atk(fmodel, x, y, epsilons=None)[1]
     fmn, sigma_zero = _adv_lib()
     if name == "al_fmn":
