@@ -67,8 +67,10 @@ TORCH_LIBRARY(fastlapsum, m) {
   // -> (b, edge, diag); b in x's units, diag int64 [rows, 3] = (path, middle size, attempts)
   m.def("lapsum_threshold(Tensor x, Tensor k, Tensor t, bool largest, int method)"
         " -> (Tensor, Tensor, Tensor)");
-  // -> (p, b, diag); mode 0 soft, 1 log, 2 hard (straight-through forward)
-  m.def("soft_topk_forward(Tensor x, Tensor k, Tensor t, bool largest, int method, int mode)"
+  // -> (p, b, diag); mode 0 soft, 1 log, 2 hard (straight-through forward). k_max: a bound
+  // on every row's k when the caller knows one (a number k), else -1; hard mode's selector
+  // plans its launch with it (CUDA), the answer does not depend on it.
+  m.def("soft_topk_forward(Tensor x, Tensor k, Tensor t, bool largest, int method, int mode, int k_max=-1)"
         " -> (Tensor, Tensor, Tensor)");
   m.def("lapsum_mask(Tensor x, Tensor b, Tensor t, Tensor edge, bool largest, bool log_mode)"
         " -> Tensor");
@@ -80,8 +82,8 @@ TORCH_LIBRARY(fastlapsum, m) {
   // -> (values, indices); indices -1 (values -inf / +inf) past a row's valid length
   m.def("topk(Tensor x, int k, bool largest, bool sorted, Tensor? lengths) -> (Tensor, Tensor)");
   // The regime (plan.h: SoftRegime, TopkRegime) that lapsum_threshold / soft_topk_forward, or
-  // topk (hard_mask: the straight-through hard mask), would take for x; reads only x's shape,
-  // dtype and device, never its data.
+  // topk (hard_mask: the straight-through hard mask, k its k_max), would take for x; reads only
+  // x's shape, dtype and device, never its data.
   m.def("soft_regime(Tensor x, int method) -> int");
   m.def("topk_regime(Tensor x, int k, bool hard_mask) -> int");
   // Python kernels (fastlapsum/_autograd.py) that the C++ autograd kernels
@@ -94,7 +96,8 @@ TORCH_LIBRARY(fastlapsum, m) {
         " bool largest) -> (Tensor, Tensor, Tensor)");
   m.def("_lapsum_threshold_python(Tensor x, Tensor k, Tensor t, bool largest, int method)"
         " -> (Tensor, Tensor, Tensor)");
-  m.def("_soft_topk_forward_python(Tensor x, Tensor k, Tensor t, bool largest, int method, int mode)"
+  m.def("_soft_topk_forward_python(Tensor x, Tensor k, Tensor t, bool largest, int method, int mode,"
+        " int k_max=-1)"
         " -> (Tensor, Tensor, Tensor)");
   m.def("_topk_python(Tensor x, int k, bool largest, bool sorted, Tensor? lengths) -> (Tensor, Tensor)");
 }

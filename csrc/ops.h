@@ -28,7 +28,7 @@ at::Tensor lapsum_mask_cpu(const at::Tensor& x, const at::Tensor& b, const at::T
 at::Tensor hard_mask_cpu(const at::Tensor& x, const at::Tensor& k, const at::Tensor& b, bool largest);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_forward_cpu(
     const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest, int64_t method,
-    int64_t mode);
+    int64_t mode, int64_t k_max);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cpu(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& b, const at::Tensor& t,
     bool largest, bool log_mode);
@@ -46,7 +46,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cuda(const at::T
                                                                      bool largest, int64_t method);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_forward_cuda(
     const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest, int64_t method,
-    int64_t mode);
+    int64_t mode, int64_t k_max);
 at::Tensor lapsum_mask_cuda(const at::Tensor& x, const at::Tensor& b, const at::Tensor& t,
                             const at::Tensor& edge, bool largest, bool log_mode);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_backward_cuda(
@@ -62,8 +62,10 @@ std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x, int64_t k, boo
 // ties); a NaN row where b_r is NaN or k_r is not an integer in [0, n]. Inputs as
 // threshold_io returns them (x floating [rows, n], k and b contiguous float64 [rows] on
 // x's device; b may be undefined: no NaN-row rule from it), not re-checked; the caller
-// holds x's device guard.
-at::Tensor hard_mask_cuda(const at::Tensor& x, const at::Tensor& k, const at::Tensor& b, bool largest);
+// holds x's device guard. k_max: a bound on every k_r for the launch plan, or -1 (unknown);
+// a row above it is still exact, on a slower path.
+at::Tensor hard_mask_cuda(const at::Tensor& x, const at::Tensor& k, const at::Tensor& b, bool largest,
+                          int64_t k_max);
 #endif
 
 }  // namespace fastlapsum

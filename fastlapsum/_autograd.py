@@ -289,12 +289,14 @@ class _SoftTopK(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, k, t, largest, method, mode) -> tuple[Tensor, Tensor, Tensor]:
-        return _below_autograd(ops.soft_topk_forward.default, x, k, t, largest, method, mode)
+    def forward(x, k, t, largest, method, mode, k_max=-1) -> tuple[Tensor, Tensor, Tensor]:
+        # k_max=-1 may come as a missing argument: the dispatcher leaves out trailing
+        # arguments equal to their default when it calls a Python kernel.
+        return _below_autograd(ops.soft_topk_forward.default, x, k, t, largest, method, mode, k_max)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        x, k, t, largest, _, mode = inputs
+        x, k, t, largest, _, mode = inputs[:6]
         _, b, diag = output
         ctx.log_mode = mode == MODE_LOG
         _save(ctx, x, k, t, b, largest)
@@ -302,18 +304,19 @@ class _SoftTopK(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gp, g_b, g_diag) -> tuple:
+        n_inputs = len(ctx.needs_input_grad)  # 6 or 7: k_max may be left out (forward)
         if gp is None:
-            return (None,) * 6
+            return (None,) * n_inputs
         x, k, t, b = ctx.saved_tensors
         if _graph_wanted(gp, x, k, t):
             gx, gk, gt = soft_vjp_graph(gp, x, k, t, b, ctx.largest, ctx.log_mode)
         else:
             gx, gk, gt = ops.soft_topk_backward.default(gp, x, b, t, ctx.largest, ctx.log_mode)
         _, need_k, need_t = ctx.needs_input_grad[:3]
-        return gx, gk if need_k else None, gt if need_t else None, None, None, None
+        return (gx, gk if need_k else None, gt if need_t else None) + (None,) * (n_inputs - 3)
 
     @staticmethod
-    def jvp(ctx, dx, dk, dt, _l, _m, _mode) -> tuple:
+    def jvp(ctx, dx, dk, dt, *_) -> tuple:
         _single_forward_level()
         x, k, t, b = ctx.saved_tensors
         if not ctx.log_mode and dx is not None and dk is None and dt is None and not _graph_wanted(x, dx):
@@ -445,8 +448,9 @@ def _run(fn: type, op, *args) -> tuple:
     return op(*args)
 
 
-def soft_topk_forward(x: Tensor, k: Tensor, t: Tensor, largest: bool, method: int, mode: int) -> tuple:
-    return _run(_SoftTopK, _SOFT_OP, x, k, t, largest, method, mode)
+def soft_topk_forward(x: Tensor, k: Tensor, t: Tensor, largest: bool, method: int, mode: int,
+                      k_max: int = -1) -> tuple:
+    return _run(_SoftTopK, _SOFT_OP, x, k, t, largest, method, mode, k_max)
 
 
 def lapsum_threshold(x: Tensor, k: Tensor, t: Tensor, largest: bool, method: int) -> tuple:

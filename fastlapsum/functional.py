@@ -242,7 +242,10 @@ def soft_topk(x: torch.Tensor, k: Budget, temperature: Budget = 1.0, *, dim: int
     Rows with NaN give NaN; +inf scores get 1 while the budget allows, -inf get 0.
     """
     rows_x, batch, d, kk, tt, m = _prepare(x, k, temperature, dim, method, "soft_topk", integral=hard)
-    p, _, _ = _ad.soft_topk_forward(rows_x, kk, tt, largest, m, MODE_HARD if hard else MODE_SOFT)
+    # A number k bounds every row's budget: the hard mask's selector plans its launch with it
+    # (not under torch.compile, where an int argument would specialize the graph on k).
+    k_max = int(k) if hard and type(k) in _NUMBERS and not torch.compiler.is_compiling() else -1
+    p, _, _ = _ad.soft_topk_forward(rows_x, kk, tt, largest, m, MODE_HARD if hard else MODE_SOFT, k_max)
     return _from_rows(p, batch, d)
 
 

@@ -47,7 +47,7 @@ def python_forwards(monkeypatch):
 def _soft_case(public, largest, mode):
     return (public,
             lambda x, k, t: ops.soft_topk_forward(x, k, t, largest, 0, mode)[0],
-            lambda x, k, t: A._SoftTopK.apply(x, k, t, largest, 0, mode)[0])
+            lambda x, k, t: A._SoftTopK.apply(x, k, t, largest, 0, mode, -1)[0])
 
 
 # (public function, the op called directly, the Python Function torch.func uses)

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 import fastlapsum as fl
+from fastlapsum._ops import MODE_HARD
 from fastlapsum.reference import lapsum_threshold_reference, soft_topk_reference
 
 from conftest import (BUDGET_TOL, DTYPES, assert_exact_topk, budget_error, gen, mask_floor, requires_cuda,
                       topk_oracle)
 
-F64 = torch.float64
+F32, F64 = torch.float32, torch.float64
 FP64_SORT = "sort"  # float64 topk on CUDA: the ATen sort path, whatever the shape
 
 
@@ -165,7 +166,10 @@ TOPK_CELLS = [
     cell("cuda", 64, 20, 5, True, "thread-rows"),
     cell("cuda", 16, 300, 7, True, "warp-rows"),
     cell("cuda", 8, 5000, 100, True, "row-cta"),
-    cell("cuda", 2, 65536, 1000, True, "grid"),  # hard_mask: few long rows always take the grid
+    # hard_mask with a number k plans as topk does with that k (k_max); with a tensor k (no
+    # bound known) few long rows take the grid
+    cell("cuda", 2, 65536, 1000, True, "row-cta"),
+    cell("cuda", 2, 65536, 12000, True, "grid"),
 ]
 
 
@@ -194,13 +198,16 @@ def test_topk_regime(device, rows, n, k, hard, regime, dtype):
     xd = x.to(device)
     assert fl.topk_diagnostics(xd, k, hard=hard) == regime
     if hard:  # exactly k_r ones per row, at the oracle's top-k (the smaller index wins ties)
-        ks = torch.tensor([k if r % 2 == 0 else max(k // 3, 1) for r in range(rows)], dtype=F64)
-        p = fl.soft_topk(xd, ks.to(device), 0.5, hard=True)
-        assert p.dtype == dtype
-        want = torch.zeros(rows, n, dtype=dtype)
-        for r in range(rows):
-            want[r, topk_oracle(x[r], int(ks[r]))[1]] = 1
-        assert torch.equal(p.cpu(), want)
+        # a number k (the diagnostic's plan, k_max = k) and per-row budgets (no bound known)
+        for ks in (torch.full((rows,), float(k), dtype=F64),
+                   torch.tensor([k if r % 2 == 0 else max(k // 3, 1) for r in range(rows)], dtype=F64)):
+            uniform = bool((ks == k).all())
+            p = fl.soft_topk(xd, k if uniform else ks.to(device), 0.5, hard=True)
+            assert p.dtype == dtype
+            want = torch.zeros(rows, n, dtype=dtype)
+            for r in range(rows):
+                want[r, topk_oracle(x[r], int(ks[r]))[1]] = 1
+            assert torch.equal(p.cpu(), want)
         return
     for largest in (True, False):
         v, i = fl.topk(xd, k, largest=largest, sorted=True)
@@ -210,6 +217,21 @@ def test_topk_regime(device, rows, n, k, hard, regime, dtype):
         v, i = fl.topk(xd, k, largest=largest)
         assert_exact_topk(xd, k, v, i, largest=largest)
         assert torch.equal(i.cpu().sort(1).values, wi.sort(1).values)  # the same set: ties decided
+
+
+@pytest.mark.parametrize("k_max", [-1, 0, 100, 1000, 65536])
+def test_hard_mask_k_max_is_only_a_plan(device, k_max):
+    """soft_topk_forward's k_max picks the hard mask's launch plan, never its answer: rows whose
+    k_r exceeds the bound (or a bound of 0, or none) still get exactly k_r ones."""
+    rows, n = 3, 65536
+    x = topk_rows(rows, n, F32, seed=11, nonfinite=False).to(device)
+    ks = torch.tensor([1000.0, 5000.0, 3.0], dtype=F64, device=device)
+    t = torch.ones(rows, dtype=F64, device=device)
+    p, _, _ = torch.ops.fastlapsum.soft_topk_forward(x, ks, t, True, 0, MODE_HARD, k_max)
+    for r in range(rows):
+        want = torch.zeros(n, dtype=F32)
+        want[topk_oracle(x[r].cpu(), int(ks[r]))[1]] = 1
+        assert torch.equal(p[r].cpu(), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64],

@@ -30,7 +30,7 @@ using Triple = std::tuple<Tensor, Tensor, Tensor>;
 using Lengths = std::optional<Tensor>;
 
 using ThresholdSig = Triple(const Tensor&, const Tensor&, const Tensor&, bool, int64_t);
-using SoftSig = Triple(const Tensor&, const Tensor&, const Tensor&, bool, int64_t, int64_t);
+using SoftSig = Triple(const Tensor&, const Tensor&, const Tensor&, bool, int64_t, int64_t, int64_t);
 using TopkSig = std::tuple<Tensor, Tensor>(const Tensor&, int64_t, bool, bool, const Lengths&);
 // (grad, x, b, t, largest[, log_mode]): the fused VJPs
 using SoftVjpSig = Triple(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, bool);
@@ -154,8 +154,8 @@ struct SoftTopKFunction : torch::autograd::Function<SoftTopKFunction> {
   static constexpr bool is_traceable = true;
 
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& k, const Tensor& t,
-                               bool largest, int64_t method, int64_t mode, Rest* rest) {
-    auto [p, b, diag] = below_autograd(soft_op(), x, k, t, largest, method, mode);
+                               bool largest, int64_t method, int64_t mode, int64_t k_max, Rest* rest) {
+    auto [p, b, diag] = below_autograd(soft_op(), x, k, t, largest, method, mode, k_max);
     save_rows(ctx, x, k, t, b, largest);
     ctx->saved_data["log_mode"] = mode == kModeLog;
     *rest = {std::move(b), std::move(diag)};
@@ -164,14 +164,14 @@ struct SoftTopKFunction : torch::autograd::Function<SoftTopKFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor& gp = grads[0];
-    if (!gp.defined()) return variable_list(7);
+    if (!gp.defined()) return variable_list(8);
     const variable_list s = ctx->get_saved_variables();
     const bool largest = ctx->saved_data["largest"].toBool();
     const bool log_mode = ctx->saved_data["log_mode"].toBool();
     return input_grads(ctx,
                        graph_wanted(gp, s) ? soft_vjp_graph_op().call(gp, s[0], s[1], s[2], s[3], largest, log_mode)
                                            : below_autograd(soft_vjp_op(), gp, s[0], s[3], s[2], largest, log_mode),
-                       7);
+                       8);
   }
 };
 
@@ -216,15 +216,15 @@ Triple threshold_autograd(const Tensor& x, const Tensor& k, const Tensor& t, boo
 }
 
 Triple soft_autograd(const Tensor& x, const Tensor& k, const Tensor& t, bool largest, int64_t method,
-                     int64_t mode) {
+                     int64_t mode, int64_t k_max) {
   switch (route("soft_topk_forward", x, k, t)) {
     case Route::kFunction: {
       Rest rest;
-      Tensor p = SoftTopKFunction::apply(x, k, t, largest, method, mode, &rest)[0];
+      Tensor p = SoftTopKFunction::apply(x, k, t, largest, method, mode, k_max, &rest)[0];
       return {std::move(p), std::move(rest.first), std::move(rest.second)};
     }
-    case Route::kPython: return soft_python_op().call(x, k, t, largest, method, mode);
-    default: return below_autograd(soft_op(), x, k, t, largest, method, mode);
+    case Route::kPython: return soft_python_op().call(x, k, t, largest, method, mode, k_max);
+    default: return below_autograd(soft_op(), x, k, t, largest, method, mode, k_max);
   }
 }
 

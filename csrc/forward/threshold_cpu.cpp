@@ -241,7 +241,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cpu(const at::Te
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_forward_cpu(
     const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest, int64_t method,
-    int64_t mode) {
+    int64_t mode, int64_t /*k_max: the CPU mask needs no plan*/) {
   TORCH_CHECK(mode >= kModeSoft && mode <= kModeHard, "fastlapsum: mode must be 0 (soft), 1 (log) or 2 (hard)");
   auto [b, edge, diag] = lapsum_threshold_cpu(x, k, t, largest, method);
   at::Tensor p;

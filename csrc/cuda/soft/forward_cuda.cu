@@ -16,7 +16,7 @@ namespace fastlapsum {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_forward_cuda(
     const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest, int64_t method,
-    int64_t mode) {
+    int64_t mode, int64_t k_max) {
   TORCH_CHECK(mode >= kModeSoft && mode <= kModeHard, "fastlapsum: mode must be 0 (soft), 1 (log) or 2 (hard)");
   const c10::cuda::CUDAGuard guard(x.device());
   ThresholdIO io = threshold_io(x, k, t, method);
@@ -29,7 +29,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_forward_cuda(
   }
   solve_rows_cuda(io, largest, plan);
   // hard: a NaN row where b is NaN (row_budget), otherwise exactly k ones
-  at::Tensor p = mode == kModeHard ? hard_mask_cuda(io.x, io.k, io.b, largest)
+  at::Tensor p = mode == kModeHard ? hard_mask_cuda(io.x, io.k, io.b, largest, k_max)
                                    : lapsum_mask_cuda(io.x, io.b, io.t, io.edge, largest, mode == kModeLog);
   return {p, io.b, io.diag};
 }

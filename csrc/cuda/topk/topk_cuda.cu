@@ -47,9 +47,10 @@
 //    smallest) padding.
 //    cap = clamp(round_up(4*K, 256), 2048, 24576) entries of (key, index) = 8 B each
 //    (64 KiB for K = 2048) in dynamic shared memory, at most 5632 for the 256-thread CTAs;
-//    hard_mask uses cap = 8192.
+//    hard_mask plans with K = its k_max (a bound on every row's k_r, from a number k), or
+//    with cap = 8192 when no bound is known.
 // 2. Grid path (g_* kernels), for few long rows (rows <= 64 and n >= 2^16, where its cost
-//    estimate beats the per-row kernel's: use_grid_path, in topk_regime_for): every row
+//    estimate beats the per-row kernel's, and hard_mask without k_max: use_grid_path): every row
 //    gets `bpr` CTAs (blockIdx.x; the rows share one full wave of resident CTAs, where
 //    4 per SM made collect 1.33 waves) so a single row of 10^8 scores uses the whole GPU.
 //    Fixed sequence of launches: init, sample histogram a, scan, sample histogram b,
@@ -105,13 +106,14 @@
 namespace fastlapsum {
 namespace {
 
-// The per-row kernel's candidate buffer (entries) for budget K, and whether it runs as the
-// 256-thread build (four CTAs an SM; a buffer of at most kQuarterCap): topk on 16-bit scores
-// (the only instantiations of that build) whose sampled path fits that buffer.
+// The per-row kernel's candidate buffer (entries) for budget K (hard_mask: its k_max, -1 when
+// unknown), and whether it runs as the 256-thread build (four CTAs an SM; a buffer of at most
+// kQuarterCap): topk on 16-bit scores (the only instantiations of that build) whose sampled
+// path fits that buffer.
 int64_t row_cap(bool mask, int64_t K) {
   using Tu = TopkTuning;
-  const int64_t cap =
-      mask ? Tu::kMaskRowCap : ((Tu::kRowCapPerK * K + Tu::kRowCapRound - 1) / Tu::kRowCapRound) * Tu::kRowCapRound;
+  const int64_t cap = mask && K < 0 ? Tu::kMaskRowCap
+                                    : ((Tu::kRowCapPerK * K + Tu::kRowCapRound - 1) / Tu::kRowCapRound) * Tu::kRowCapRound;
   return std::max<int64_t>(Tu::kRowCapMin, std::min<int64_t>(cap, Tu::kRowCapMax));
 }
 template <typename T, bool kMask>
@@ -125,12 +127,13 @@ bool quarter_build(int64_t K) { return kHasQuarterBuild<T, kMask> && sample_fits
 // phases plus one CTA streaming its row at the rate its loads in flight allow (a round trip
 // each; its few CTAs leave DRAM idle, so each streams at that rate).
 // A budget too large for the per-row kernel's sampled path (it would stream the row up to
-// seven times) keeps the grid path; so does hard_mask (whose estimate is not fitted).
+// seven times) keeps the grid path; so does hard_mask without a bound on its budgets (a row
+// of any k may come).
 template <typename T, bool kMask>
 bool use_grid_path(int64_t rows, int64_t n, int64_t K) {
   using Tu = TopkTuning;
   if (rows > Tu::kGridMaxRows || n < Tu::kGridMinN) return false;
-  if (kMask || !sample_fits(K, row_cap(kMask, K))) return true;
+  if ((kMask && K < 0) || !sample_fits(K, row_cap(kMask, K))) return true;
   const double threads = quarter_build<T, kMask>(K) ? kBlock / 2 : kBlock;
   const double in_flight = threads * row_unroll<T>() * 16.0;  // bytes
   const double row_us = Tu::kRowFixedUs + Tu::kRowRoundTripUs * static_cast<double>(n) * sizeof(T) / in_flight;
@@ -138,7 +141,7 @@ bool use_grid_path(int64_t rows, int64_t n, int64_t K) {
   return grid_us < row_us;
 }
 
-// The mapping of a [rows, n] call with budget K (0 for the mask), decided here only: the
+// The mapping of a [rows, n] call with budget K (the mask: its k_max or -1), decided here only: the
 // dispatch below and the topk_regime op both call it. Tiny rows (MoE routers): a thread a row
 // for n <= kThreadMaxN, else the warp-row kernel up to kWarpMaxN, whatever the row count and
 // budget (a CTA of 256-512 threads on a row of at most 2048 scores idles most of them, and
@@ -227,7 +230,8 @@ void launch(Params P, int64_t rows, const at::Tensor& x, TopkRegime regime) {
     constexpr int V = 16 / sizeof(T);
     const int64_t max_bpr = std::max<int64_t>(1, (P.n / V + int64_t(kBlock) * kUnroll - 1) / (int64_t(kBlock) * kUnroll));
     P.bpr = std::min<int64_t>(max_bpr, std::max<int64_t>(1, wave / rows));
-    const int64_t cap_want = kMask ? P.n / 4 + TopkTuning::kGridCapSlack : P.K + P.K / 8 + TopkTuning::kGridCapSlack;
+    const int64_t cap_want = kMask && P.K < 0 ? P.n / 4 + TopkTuning::kGridCapSlack  // any budget may come
+                                              : P.K + P.K / 8 + TopkTuning::kGridCapSlack;
     P.cap_g = std::max<int64_t>(1, std::min<int64_t>({P.n, cap_want, TopkTuning::kGridCapTotal / rows}));
     const int64_t st_bytes = ((rows * int64_t(sizeof(GState)) + 255) / 256) * 256;
     const int64_t h_bytes = rows * kBins * 4;
@@ -372,12 +376,14 @@ std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k, 
   return {values, indices};
 }
 
-at::Tensor hard_mask_cuda(const at::Tensor& x_in, const at::Tensor& k, const at::Tensor& b, bool largest) {
+at::Tensor hard_mask_cuda(const at::Tensor& x_in, const at::Tensor& k, const at::Tensor& b, bool largest,
+                          int64_t k_max) {
   // Inputs as threshold_io leaves them (checked there; the caller holds x's device guard).
   const int64_t rows = x_in.size(0), n = x_in.size(1);
   TORCH_CHECK(n < 4294967295LL, "fastlapsum.hard_mask: rows longer than 2^32 - 2 are not supported on CUDA");
   TORCH_CHECK(selector_dtype(x_in.scalar_type()), "fastlapsum.hard_mask: expected a floating-point x");
-  const TopkRegime regime = topk_regime(rows, n, 0, x_in.scalar_type(), true);
+  k_max = k_max < 0 || k_max > n ? -1 : k_max;  // a bound beyond the row bounds nothing
+  const TopkRegime regime = topk_regime(rows, n, k_max, x_in.scalar_type(), true);
   if (regime == kTopkSort) return hard_mask_fp64(x_in.contiguous(), k, b, largest);
   const at::Tensor x = rows_view(x_in);
   at::Tensor mask = at::empty({rows, n}, x.options());
@@ -385,7 +391,7 @@ at::Tensor hard_mask_cuda(const at::Tensor& x_in, const at::Tensor& k, const at:
   Params P{};
   P.pitch = rows > 1 ? x.stride(0) : n;
   P.n = n;
-  P.K = 0;
+  P.K = k_max;  // the plan's bound; each row's take is its k_r (row_budget)
   P.kvec = k.const_data_ptr<double>();
   P.nan_rows = b.defined() ? b.const_data_ptr<double>() : nullptr;
   P.flip = largest ? 0u : 0xFFFFFFFFu;
@@ -404,9 +410,10 @@ namespace {
 
 int64_t topk_regime_cuda(const at::Tensor& x, int64_t k, bool hard_mask) {
   TORCH_CHECK(x.dim() == 2, "fastlapsum.topk_regime: expected x of shape [rows, n]");
-  TORCH_CHECK(hard_mask || (k >= 0 && k <= x.size(1)), "fastlapsum.topk: k must be in [0, n]");
+  TORCH_CHECK(k >= (hard_mask ? -1 : 0) && k <= x.size(1), "fastlapsum.topk: k must be in [0, n]",
+              hard_mask ? " (or -1: no bound on the mask's budgets)" : "");
   TORCH_CHECK(selector_dtype(x.scalar_type()), "fastlapsum.topk: expected a floating-point x");
-  return topk_regime(x.size(0), x.size(1), hard_mask ? 0 : k, x.scalar_type(), hard_mask);
+  return topk_regime(x.size(0), x.size(1), k, x.scalar_type(), hard_mask);
 }
 
 }  // namespace
