@@ -214,8 +214,9 @@ def table(title, seeds, runs, key, header, cells):
     """Markdown table, one row per key(run) in first-seen order, cells(runs) -> row cells."""
     if not runs:
         return []
-    lines = [f"{title} (seeds {seeds}, mean ± std over the seeds run; steps per run: "
-             f"{sorted({r['steps'] for r in runs})})", "",
+    steps = sorted({r["steps"] for r in runs})  # one value: every run of a phase takes the same steps
+    lines = [f"{title} (seeds {seeds}, mean ± std over the seeds run; optimiser steps per run: "
+             f"{', '.join(map(str, steps))})", "",
              "| " + " | ".join(header) + " | seeds |", "|---" + "|---:" * len(header) + "|"]
     for k in dict.fromkeys(key(r) for r in runs):
         rs = [r for r in runs if key(r) == k]
