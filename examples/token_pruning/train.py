@@ -61,8 +61,8 @@ def parse_args(argv=None):
                     help="prune after this many blocks (0: the patch embeddings, before any block)")
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--prune-steps", type=int, default=200, help="optimiser steps of every pruning run")
-    ap.add_argument("--moe-steps", type=int, default=150, help="optimiser steps of every MoE run")
+    ap.add_argument("--prune-steps", type=int, default=160, help="optimiser steps of every pruning run")
+    ap.add_argument("--moe-steps", type=int, default=120, help="optimiser steps of every MoE run")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds from start after which no new run starts (a safety net)")
     ap.add_argument("--t-start", type=float, default=1.0, help="soft router temperature, first step")
