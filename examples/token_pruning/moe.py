@@ -11,8 +11,10 @@
             dropped (the block's residual carries it). Switch's load-balancing loss.
 
 C = capacity_factor * tokens / experts in all three, so they do the same expert work.
-Each forward records per-expert loads, the tokens no expert processed, and (tc) the drops;
-it asserts the budget: every expert exactly C tokens (ec_*), at most C (tc).
+Each forward records per-expert loads, the tokens no expert processed, and (tc) the drops
+(as device tensors: no host sync in training); in evaluation mode it also asserts the
+budget: every expert exactly C tokens (ec_*), at most C (tc). The token-choice dispatch is
+vectorised (cumsum queue positions, one scatter into the [E, C] slots), no Python loop.
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ class MoE(nn.Module):
         logits = self.router(flat)                                       # [N, E]
         self.logits = logits
         gate = logits.softmax(-1)
+        check = not self.training  # the budget asserts sync with the device: evaluation only
         if self.kind in ("ec_soft", "ec_hard"):
             scores = logits.t()                                          # experts choose tokens
             _, idx = fastlapsum.topk(scores.detach(), c, dim=-1)        # [E, C]
@@ -69,41 +72,45 @@ class MoE(nn.Module):
                 sel = fastlapsum.soft_topk(scores, c, self.temperature, dim=-1, hard=True)
                 picked = sel.gather(1, idx)         # 1.0 forward, soft mask gradient backward
                 counts = sel.detach().sum(-1)
-                assert bool((picked.detach() == 1).all()), "topk indices disagree with the hard mask"
+                if check:
+                    assert bool((picked.detach() == 1).all()), "topk indices disagree with the hard mask"
                 w = w * picked
             else:
                 counts = torch.full((E,), float(c), device=x.device)
-            assert bool((counts == c).all()), f"expert capacity violated: {counts.tolist()} != {c}"
+            if check:
+                assert bool((counts == c).all()), f"expert capacity violated: {counts.tolist()} != {c}"
             out = self._experts(flat, idx, w)
             hits = torch.zeros(N, device=x.device).index_add_(0, idx.reshape(-1), torch.ones(E * c, device=x.device))
             wanted = counts
-            dropped = 0
+            dropped = torch.zeros((), dtype=torch.long, device=x.device)
             self.aux_loss = torch.zeros((), device=x.device)
         else:
             choice = gate.argmax(-1)                                     # [N]
-            onehot = F.one_hot(choice, E)                                # [N, E]
+            onehot = (choice[:, None] == torch.arange(E, device=x.device)).long()  # [N, E], no sync
             pos = (onehot.cumsum(0) - 1).gather(1, choice[:, None]).squeeze(1)  # place in queue
             keep = pos < c
             wanted = onehot.sum(0)
-            counts = torch.minimum(wanted, torch.full_like(wanted, c)).float()
-            assert bool((counts <= c).all())
-            # [E, C] slots: token index per slot (unused slots point at token 0 with weight 0)
-            slot = torch.zeros(E * c, dtype=torch.long, device=x.device)
-            used = torch.zeros(E * c, device=x.device)
-            flat_slot = (choice * c + pos)[keep]
-            slot[flat_slot] = torch.arange(N, device=x.device)[keep]
-            used[flat_slot] = 1.0
+            counts = torch.clamp(wanted, max=c).float()
+            # [E*C] slots (+1 dump slot for the overflow), filled without host syncs. An
+            # unused slot s points at token s (distinct tokens, weight 0): pointing them all
+            # at one token would make the gather's backward accumulate thousands of
+            # duplicates of one index, serially.
+            target = torch.where(keep, choice * c + pos, E * c)
+            tok = torch.arange(N, device=x.device)
+            slot = torch.arange(E * c + 1, device=x.device).scatter(0, target, tok)[:E * c]
             w = gate.gather(1, choice[:, None]).squeeze(1)
-            wslot = torch.zeros(E * c, device=x.device, dtype=w.dtype)
-            wslot[flat_slot] = w[keep]
-            out = self._experts(flat, slot.view(E, c), (wslot * used).view(E, c))
+            wslot = torch.zeros(E * c + 1, device=x.device, dtype=w.dtype).scatter(0, target, w)[:E * c]
+            out = self._experts(flat, slot.view(E, c), wslot.view(E, c))
             hits = keep.float()
-            dropped = int((~keep).sum())
-            assert dropped == int(wanted.sum() - counts.sum()), "drop count disagrees with loads"
+            dropped = (~keep).sum()
+            if check:
+                assert bool((counts <= c).all())
+                assert int(dropped) == int(wanted.sum() - counts.sum()), "drop count disagrees with loads"
             # Switch load-balancing loss: E * sum_e (fraction routed to e) * (mean prob of e)
             self.aux_loss = self.aux_weight * E * (onehot.float().mean(0) * gate.mean(0)).sum()
+        # tensors (no host sync in training); eval_moe reads them with int()/float()
         self.stats = {"tokens": N, "capacity": c, "counts": counts.detach(), "wanted": wanted.detach().float(),
-                      "unprocessed": int((hits == 0).sum()), "dropped": dropped}
+                      "unprocessed": (hits == 0).sum(), "dropped": dropped}
         return out.view(b, n, d)
 
 

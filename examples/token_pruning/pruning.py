@@ -1,8 +1,10 @@
 """Token pruning inside a timm `VisionTransformer` (see README.md next to this file).
 
 `PrunedViT` runs the timm model's own modules (patch_embed, _pos_embed, blocks, norm,
-forward_head) and, after block `at`, keeps K of the patch tokens (the CLS token always
-stays). Methods:
+forward_head) and, after the first `at` blocks, keeps K of the patch tokens (the CLS token
+always stays). `at=0` (the default of train.py) prunes the patch embeddings (+ position
+embedding) before any block: no attention has mixed the tokens yet, so a kept token holds
+only its own patch and the pruning decides what the network can see. Methods:
 
   none  : no pruning (the timm model as it is)
   soft  : exact-budget soft router. A linear router scores the patch tokens; in training
@@ -14,9 +16,12 @@ stays). Methods:
   gated : hard top-K on the router scores + gather, the kept tokens multiplied by
           sigmoid(score) (Mixture-of-Depths style), in training and evaluation: the router
           learns through the gate only.
-  evit  : EViT-style: keep the K-1 patch tokens the CLS token attends to most (attention of
-          block `at`-1, averaged over heads) and fuse the rest into one token (their
-          attention-weighted mean): K tokens in all. No router parameters.
+  evit  : EViT-style: keep the K-1 patch tokens the CLS token attends to most and fuse the
+          rest into one token (their attention-weighted mean): K tokens in all. The
+          attention (averaged over heads) is that of block `at`-1 on its input, or with
+          `at=0` that of block 0 on the embeddings (EViT prunes inside a block, between its
+          attention and its MLP; here block 0 then runs on the kept tokens). No router
+          parameters.
 
 Every pruned forward records the number of patch tokens the later blocks ran on.
 """
@@ -61,14 +66,14 @@ class PrunedViT(nn.Module):
         n = vit.patch_embed.num_patches
         if not 1 <= keep <= n or (method == "evit" and keep < 2):
             raise ValueError(f"keep must be in [1, {n}] (>= 2 for evit), got {keep}")
-        if not 1 <= at < len(vit.blocks):
-            raise ValueError(f"at must be in [1, {len(vit.blocks) - 1}], got {at}")
+        if not 0 <= at < len(vit.blocks):
+            raise ValueError(f"at must be in [0, {len(vit.blocks) - 1}], got {at}")
         self.vit, self.method, self.keep, self.at, self.n_patches = vit, method, keep, at, n
         dim = vit.embed_dim
         if method in ("soft", "gated"):
             self.router = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 1))
         self.temperature = 1.0  # soft router; annealed by the trainer
-        self.last_tokens_seen = 0      # patch tokens the blocks after `at` ran on
+        self.last_tokens_seen = 0      # patch tokens the blocks from `at` on ran on
         self.last_kept: torch.Tensor | None = None  # [B, K] indices kept (None: soft mask)
         self.last_mask: torch.Tensor | None = None  # [B, N] soft mask (soft, training)
 
@@ -84,7 +89,8 @@ class PrunedViT(nn.Module):
             cls, pt = x[:, :1], x[:, 1:]
             k = self.keep
             if self.method == "evit":
-                a = cls_attention(vit.blocks[self.at - 1], prev)
+                a = (cls_attention(vit.blocks[self.at - 1], prev) if self.at
+                     else cls_attention(vit.blocks[0], x))
                 _, idx = fastlapsum.topk(a.detach(), k - 1, dim=-1)
                 rest = a.scatter(1, idx, 0.0)
                 fused = (rest.unsqueeze(-1) * pt).sum(1, keepdim=True) / rest.sum(1, keepdim=True)[..., None].clamp_min(1e-12)

@@ -1,20 +1,22 @@
 """Token pruning and MoE routing in a timm VisionTransformer, trained from scratch on
 cluttered digits (data.py: real handwritten digits on real photographs, no downloads).
 
-Phase "prune" (pruning.py): after block --at a router keeps K of the 64 patch tokens:
-  soft (fastlapsum.soft_topk, sum exactly K), gated hard top-K (Mixture-of-Depths style),
-  EViT-style CLS-attention top-K with fusion, and the unpruned model; every seed.
+Phase "prune" (pruning.py): before block --at (default 0: on the patch embeddings) a router
+  keeps K of the 64 patch tokens: soft (fastlapsum.soft_topk, sum exactly K), gated hard
+  top-K (Mixture-of-Depths style), EViT-style CLS-attention top-K with fusion, and the
+  unpruned model; every K of --keep, every seed.
 Phase "moe" (moe.py): MoE MLPs in blocks --moe-blocks with three routers: expert choice
   through the exact-budget soft router, hard expert choice (torch.topk), token choice with
   a capacity limit; every seed.
 
-All runs of a phase take the same number of optimiser steps. With --budget the step count
-is set from a timed calibration so that the phase fits its share of the budget; every run
-also stops at a time cap (the table then shows fewer steps). Results are written after
-every run (results.json, results.md), so a cut-short run still leaves its tables.
+Every run of a phase takes exactly the same number of optimiser steps (--prune-steps,
+--moe-steps), on every seed. Runs go seed by seed (all of both phases for seed 0, then
+seed 1, ...), so a safety --deadline (no new run after it) drops whole seeds, not a method;
+skipped runs are listed in the results. Results are written after every run (results.json,
+results.md) and printed at the end.
 
     python examples/token_pruning/train.py --quick                      # smoke test (CPU)
-    python examples/token_pruning/train.py --device cuda --budget 100 --out /tmp/tp
+    python examples/token_pruning/train.py --device cuda --out /tmp/tp
 """
 from __future__ import annotations
 
@@ -48,36 +50,35 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None, help="results folder (default: a temp folder)")
     ap.add_argument("--phases", default="prune,moe")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--keep", default="4,16", help="K values (patch tokens kept, of 64)")
+    ap.add_argument("--keep", default="2,8", help="K values (patch tokens kept, of 64)")
     ap.add_argument("--dim", type=int, default=192)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--heads", type=int, default=3)
     ap.add_argument("--patch", type=int, default=8, help="patch side; the digit fills one patch")
     ap.add_argument("--canvas", type=int, default=64, help="image side in px (64 patch tokens at patch 8)")
     ap.add_argument("--contrast", type=float, default=0.4, help="background photo contrast (digit is 1.0)")
-    ap.add_argument("--at", type=int, default=2, help="prune after this many blocks")
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--steps", type=int, default=1500, help="optimiser steps per run (upper bound)")
-    ap.add_argument("--budget", type=float, default=None,
-                    help="seconds for all training of all phases; sets the steps by calibration")
-    ap.add_argument("--min-steps", type=int, default=200,
-                    help="with --budget: below this many steps per run, only the first K is run")
-    ap.add_argument("--moe-share", type=float, default=0.35, help="share of --budget for the MoE phase")
+    ap.add_argument("--at", type=int, default=0,
+                    help="prune after this many blocks (0: the patch embeddings, before any block)")
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--prune-steps", type=int, default=160, help="optimiser steps of every pruning run")
+    ap.add_argument("--moe-steps", type=int, default=120, help="optimiser steps of every MoE run")
     ap.add_argument("--deadline", type=float, default=None,
-                    help="seconds from start after which no new run starts")
+                    help="seconds from start after which no new run starts (a safety net)")
     ap.add_argument("--t-start", type=float, default=1.0, help="soft router temperature, first step")
     ap.add_argument("--t-end", type=float, default=0.05, help="soft router temperature, last step")
     ap.add_argument("--methods", default="soft,gated,evit,none", help="pruning methods to run")
     ap.add_argument("--routers", default="ec_soft,ec_hard,tc", help="MoE routers to run")
     ap.add_argument("--experts", type=int, default=4)
-    ap.add_argument("--moe-blocks", default="1,2", help="blocks whose MLP is the MoE (not the last: only CLS matters there)")
+    ap.add_argument("--moe-blocks", default="0,1",
+                    help="blocks whose MLP is the MoE: the first ones, where the digit's own token is processed")
     ap.add_argument("--n-test", type=int, default=4096)
     ap.add_argument("--quick", action="store_true", help="tiny model, a few steps (smoke test)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.dim, args.depth, args.heads, args.at, args.batch = 32, 3, 2, 1, 16
-        args.steps, args.n_test, args.seeds, args.keep, args.moe_blocks = 3, 64, "0,1", "4", "1"
+        args.dim, args.depth, args.heads, args.batch = 32, 3, 2, 16
+        args.prune_steps = args.moe_steps = 3
+        args.n_test, args.seeds, args.keep, args.moe_blocks = 64, "0,1", "4", "0"
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.keep = [int(k) for k in args.keep.split(",")]
     args.moe_blocks = [int(b) for b in args.moe_blocks.split(",")]
@@ -113,7 +114,7 @@ def aux_loss(model):
     return sum((m.aux_loss for m in moe_layers(model)), torch.zeros(()))
 
 
-def train_run(model, data, args, seed, steps, time_cap, dev):
+def train_run(model, data, args, seed, steps, dev):
     """AdamW, warm-up + cosine; soft router temperature annealed geometrically."""
     model.to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
@@ -122,7 +123,7 @@ def train_run(model, data, args, seed, steps, time_cap, dev):
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     g = torch.Generator(device=dev).manual_seed(1000 + seed)
     t0 = time.perf_counter()
-    done, loss = 0, float("nan")
+    loss = float("nan")
     for step in range(steps):
         if isinstance(model, PrunedViT):
             model.temperature = args.t_start * (args.t_end / args.t_start) ** (step / max(steps - 1, 1))
@@ -134,13 +135,8 @@ def train_run(model, data, args, seed, steps, time_cap, dev):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        done = step + 1
-        if step % 25 == 0 or done == steps:
-            loss = float(loss_t.detach())  # syncs
-            if time.perf_counter() - t0 > time_cap:
-                break
-    sync(dev)
-    return {"steps": done, "train_s": time.perf_counter() - t0, "final_loss": loss}
+    loss = float(loss_t.detach())  # syncs
+    return {"steps": steps, "train_s": time.perf_counter() - t0, "final_loss": loss}
 
 
 @torch.no_grad()
@@ -180,8 +176,8 @@ def eval_moe(model, data, dev, chunk=512):
             s = m.stats
             cv.append(load_cv(s["counts"]))
             cv_wanted.append(load_cv(s["wanted"]))
-            unproc += s["unprocessed"]
-            dropped += s["dropped"]
+            unproc += int(s["unprocessed"])
+            dropped += int(s["dropped"])
             tokens += s["tokens"]
     return {"accuracy": correct / len(data.test_y), "load_cv": statistics.mean(cv),
             "wanted_cv": statistics.mean(cv_wanted), "dropped_frac": dropped / tokens,
@@ -205,24 +201,6 @@ def router_grad_probe(model, data, args, dev):
     return statistics.mean(fr)
 
 
-def calibrate(model, data, args, dev, n=8):
-    """Seconds per training step of `model` (after 3 warm-up steps)."""
-    model.to(dev).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    g = torch.Generator(device=dev).manual_seed(7)
-    for i in range(3 + n):
-        if i == 3:
-            sync(dev)
-            t = time.perf_counter()
-        x, y = data.batch(args.batch, g)
-        loss = F.cross_entropy(model(x), y) + aux_loss(model).to(dev)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    sync(dev)
-    return (time.perf_counter() - t) / n
-
-
 def mean_std(v):
     return (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0)
 
@@ -236,8 +214,9 @@ def table(title, seeds, runs, key, header, cells):
     """Markdown table, one row per key(run) in first-seen order, cells(runs) -> row cells."""
     if not runs:
         return []
-    lines = [f"{title} (seeds {seeds}, mean ± std over the seeds run; steps per run: "
-             f"{sorted({r['steps'] for r in runs})})", "",
+    steps = sorted({r["steps"] for r in runs})  # one value: every run of a phase takes the same steps
+    lines = [f"{title} (seeds {seeds}, mean ± std over the seeds run; optimiser steps per run: "
+             f"{', '.join(map(str, steps))})", "",
              "| " + " | ".join(header) + " | seeds |", "|---" + "|---:" * len(header) + "|"]
     for k in dict.fromkeys(key(r) for r in runs):
         rs = [r for r in runs if key(r) == k]
@@ -251,7 +230,7 @@ def write_results(res, out):
     lines = [f"Config: {res['config']}", ""]
     lines += table(
         "Token pruning", res["seeds"], res["prune_runs"], lambda r: (r["method"], r["K"]),
-        ["method", "K (of 64 patch tokens)", "tokens after block", "test accuracy %",
+        ["method", "K (of 64 patch tokens)", "patch tokens the blocks ran on", "test accuracy %",
          "digit patches kept %", "forward ms (512 imgs)"],
         lambda rs: [PRUNE_LABELS[rs[0]["method"]], str(rs[0]["K"]), str(rs[0]["tokens_seen"][0]),
                     pm([r["accuracy"] for r in rs]), pm([r["ink_recall"] for r in rs]),
@@ -264,6 +243,9 @@ def write_results(res, out):
                     pm([r["load_cv"] for r in rs], 1, 3), pm([r["wanted_cv"] for r in rs], 1, 3),
                     pm([r["dropped_frac"] for r in rs]), pm([r["unprocessed_frac"] for r in rs]),
                     pm([r["router_grad_frac"] for r in rs])])
+    if res["skipped"]:
+        lines += ["Skipped by the safety deadline (not run; rows above have fewer seeds):", ""]
+        lines += [f"- {t}" for t in res["skipped"]] + [""]
     if res["errors"]:
         lines += ["Errors:", ""] + [f"- {e}" for e in res["errors"]] + [""]
     with open(os.path.join(out, "results.md"), "w") as f:
@@ -294,56 +276,35 @@ def _main(args):
     import timm
     res = {"config": (f"timm {timm.__version__} VisionTransformer dim {args.dim}, depth {args.depth}, "
                       f"heads {args.heads}, patch {args.patch}, {args.canvas}x{args.canvas} input "
-                      f"({(args.canvas // args.patch) ** 2} patch tokens), prune after "
-                      f"block {args.at}, batch {args.batch}, lr {args.lr}, device {dev}, torch {torch.__version__}"),
-           "seeds": args.seeds, "prune_runs": [], "moe_runs": [], "errors": [], "phase_s": {}, "models": {}}
+                      f"({(args.canvas // args.patch) ** 2} patch tokens), pruning after "
+                      f"{args.at} blocks, MoE in blocks {args.moe_blocks}, batch {args.batch}, lr {args.lr}, device {dev}, torch {torch.__version__}"),
+           "seeds": args.seeds, "prune_runs": [], "moe_runs": [], "errors": [], "skipped": [],
+           "phase_s": {}, "models": {}}
 
-    def out_of_time(phase, t_phase):
-        """Past the global deadline, or (with --budget) this phase well past its share,
-        so that a slow phase cannot starve the next one."""
-        now = time.perf_counter()
-        if args.deadline is not None and now - start > args.deadline:
-            return True
-        return args.budget is not None and now - t_phase > 1.25 * args.budget * shares[phase] + 5
-
+    n_patches = (args.canvas // args.patch) ** 2
     pruned = [m for m in args.methods if m != "none"]
-    phases = {"prune": [("prune", m, k) for k in args.keep for m in pruned]
-              + [("prune", "none", (args.canvas // args.patch) ** 2)] * ("none" in args.methods),
-              "moe": [("moe", r, None) for r in args.routers]}
-    shares = {p: args.moe_share if p == "moe" else 1 - args.moe_share * ("moe" in args.phases)
-              for p in args.phases}
-    for phase in args.phases:
-        t_phase = time.perf_counter()
-        try:
-            jobs = phases[phase]
-            n_runs = len(jobs) * len(args.seeds)
-            steps, cap = args.steps, float("inf")
-            if args.budget is not None:
-                per_run = args.budget * shares[phase] / n_runs
-                probe = build_pruned(args, "soft", args.keep[0]) if phase == "prune" else build_moe(args, "ec_soft")
-                step_s = calibrate(probe, data, args, dev)
-                del probe
-                steps = max(10, min(args.steps, int(0.9 * per_run / step_s)))
-                if phase == "prune" and steps < args.min_steps and len(args.keep) > 1:
-                    # too few steps to learn: fewer K values, more steps for each run
-                    jobs = [j for j in jobs if j[2] in (args.keep[0], max(j[2] for j in jobs))]
-                    per_run = per_run * n_runs / (len(jobs) * len(args.seeds))
-                    n_runs = len(jobs) * len(args.seeds)
-                    steps = max(10, min(args.steps, int(0.9 * per_run / step_s)))
-                    res["errors"].append(f"prune: only K={args.keep[0]} run ({steps} steps per run; "
-                                         f"with every K it would have been under {args.min_steps})")
-                cap = 1.3 * per_run
-                print(f"[{phase}] {step_s * 1e3:.1f} ms/step -> {steps} steps per run, {n_runs} runs", flush=True)
-            for seed in args.seeds:
-                for _, name, keep in jobs:
-                    if out_of_time(phase, t_phase):
-                        res["errors"].append(f"{phase} {name} K={keep} seed {seed}: skipped (time limit)")
-                        continue
+    jobs = {"prune": [(m, k) for k in args.keep for m in pruned] + [("none", n_patches)] * ("none" in args.methods),
+            "moe": [(r, None) for r in args.routers]}
+    steps = {"prune": args.prune_steps, "moe": args.moe_steps}
+    res["steps"] = {p: steps[p] for p in args.phases}
+    for p in args.phases:
+        res["phase_s"][p] = 0.0
+        print(f"[{p}] {len(jobs[p])} runs x {len(args.seeds)} seeds, {steps[p]} steps each", flush=True)
+    for seed in args.seeds:  # seed-major: a deadline drops whole seeds, never one method
+        for phase in args.phases:
+            for name, keep in jobs[phase]:
+                tag = f"{phase} {name} K={keep} seed {seed}"
+                if args.deadline is not None and time.perf_counter() - start > args.deadline:
+                    res["skipped"].append(tag)
+                    continue
+                t_run = time.perf_counter()
+                try:  # one run failing must not lose the others' results
                     torch.manual_seed(seed)
                     model = build_pruned(args, name, keep) if phase == "prune" else build_moe(args, name)
-                    info = train_run(model, data, args, seed, steps, cap, dev)
+                    info = train_run(model, data, args, seed, steps[phase], dev)
                     if phase == "prune":
-                        row = {"method": name, "K": keep, "seed": seed, **info, **eval_pruned(model, data, args, dev, timing_reps=4 if args.quick else 12)}
+                        row = {"method": name, "K": keep, "seed": seed, **info,
+                               **eval_pruned(model, data, args, dev, timing_reps=4 if args.quick else 12)}
                         res["prune_runs"].append(row)
                         msg = f"acc {row['accuracy']:.3f} ink {row['ink_recall']:.2f}"
                     else:
@@ -354,18 +315,22 @@ def _main(args):
                                f"grad {row['router_grad_frac']:.2f}")
                     res["models"][f"{phase}/{name}/{keep}/{seed}"] = model
                     print(f"[{phase}] {name:8s} K={keep} seed {seed}: {info['steps']} steps "
-                          f"{info['train_s']:.1f}s loss {info['final_loss']:.3f} {msg} "
-                          f"(t={time.perf_counter() - start:.0f}s)", flush=True)
-                    write_results(res, args.out)
-        except Exception as e:  # one phase failing must not lose the other's results
-            traceback.print_exc()
-            res["errors"].append(f"{phase}: {type(e).__name__}: {e}")
-        res["phase_s"][phase] = time.perf_counter() - t_phase
-        print(f"[{phase}] phase done in {res['phase_s'][phase]:.1f}s", flush=True)
-        write_results(res, args.out)
+                          f"{info['train_s']:.1f}s ({1e3 * info['train_s'] / info['steps']:.1f} ms/step) "
+                          f"loss {info['final_loss']:.3f} {msg} (t={time.perf_counter() - start:.0f}s)", flush=True)
+                except Exception as e:
+                    traceback.print_exc()
+                    res["errors"].append(f"{tag}: {type(e).__name__}: {e}")
+                res["phase_s"][phase] += time.perf_counter() - t_run
+                write_results(res, args.out)
+    for p in args.phases:
+        print(f"[{p}] phase total {res['phase_s'][p]:.1f}s", flush=True)
+    if res["skipped"]:
+        print(f"deadline ({args.deadline:.0f}s) reached: {len(res['skipped'])} runs skipped", flush=True)
     res["wall_s"] = time.perf_counter() - start
     write_results(res, args.out)
-    print(open(os.path.join(args.out, "results.md")).read())
+    for name in ("results.md", "results.json"):  # into the log: the log is what surely comes back
+        print(f"===== {name} =====")
+        print(open(os.path.join(args.out, name)).read())
     print(f"total {res['wall_s']:.1f}s; results in {args.out}", flush=True)
     return res
 
