@@ -27,7 +27,7 @@ def quick(tmp_path_factory):
 def test_tables_written(quick):
     train, res, out = quick
     saved = json.loads((out / "results.json").read_text())
-    assert len(saved["prune_runs"]) == 4 * 2 and len(saved["moe_runs"]) == 3 * 2
+    assert len(saved["prune_runs"]) == len(train.PRUNE_LABELS) * 2 and len(saved["moe_runs"]) == 3 * 2
     assert not saved["errors"] and not saved["skipped"]
     assert saved["steps"] == {"prune": 3, "moe": 3}
     md = (out / "results.md").read_text()

@@ -13,6 +13,9 @@ only its own patch and the pruning decides what the network can see. Methods:
           attention logits, so a dropped token is (softly) absent and the router learns
           through the selection. The trainer anneals the temperature. At evaluation:
           hard top-K + gather.
+  st    : the same router through `soft_topk(..., hard=True)` in training: the forward keeps
+          exactly K tokens (the hard mask, as at evaluation: no soft mask for the network to
+          read anything from), the backward is the soft mask's gradient (straight-through).
   gated : hard top-K on the router scores + gather, the kept tokens multiplied by
           sigmoid(score) (Mixture-of-Depths style), in training and evaluation: the router
           learns through the gate only.
@@ -33,7 +36,7 @@ from torch import nn
 
 import fastlapsum
 
-METHODS = ("none", "soft", "gated", "evit")
+METHODS = ("none", "soft", "st", "gated", "evit")
 
 
 def make_vit(dim: int, depth: int, heads: int, patch: int, img: int, classes: int = 10,
@@ -70,7 +73,7 @@ class PrunedViT(nn.Module):
             raise ValueError(f"at must be in [0, {len(vit.blocks) - 1}], got {at}")
         self.vit, self.method, self.keep, self.at, self.n_patches = vit, method, keep, at, n
         dim = vit.embed_dim
-        if method in ("soft", "gated"):
+        if method in ("soft", "st", "gated"):
             self.router = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 1))
         self.temperature = 1.0  # soft router; annealed by the trainer
         self.last_tokens_seen = 0      # patch tokens the blocks from `at` on ran on
@@ -98,8 +101,9 @@ class PrunedViT(nn.Module):
                 self.last_kept = idx
             else:
                 s = self.router(pt).squeeze(-1)                      # [B, N]
-                if self.method == "soft" and self.training:
-                    m = fastlapsum.soft_topk(s, k, self.temperature, dim=-1)  # sum == K per image
+                if self.method in ("soft", "st") and self.training:
+                    # sum == K per image; st: exactly K ones, the soft mask's gradient
+                    m = fastlapsum.soft_topk(s, k, self.temperature, dim=-1, hard=self.method == "st")
                     self.last_mask = m
                     pt = pt * m.unsqueeze(-1)
                     logm = torch.cat([torch.zeros_like(m[:, :1]), m.clamp_min(1e-30).log()], 1)

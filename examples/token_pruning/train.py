@@ -39,6 +39,7 @@ from moe import MoE, load_cv  # noqa: E402
 from pruning import PrunedViT, make_vit  # noqa: E402
 
 PRUNE_LABELS = {"none": "unpruned", "soft": "soft top-K (fastlapsum, exact budget)",
+                "st": "straight-through top-K (fastlapsum, hard=True)",
                 "gated": "gated hard top-K (MoD-style)", "evit": "EViT CLS-attention top-K + fuse"}
 MOE_LABELS = {"ec_soft": "expert choice, exact-budget soft router",
               "ec_hard": "expert choice, hard torch.topk", "tc": "token choice top-1, capacity"}
@@ -67,7 +68,7 @@ def parse_args(argv=None):
                     help="seconds from start after which no new run starts (a safety net)")
     ap.add_argument("--t-start", type=float, default=1.0, help="soft router temperature, first step")
     ap.add_argument("--t-end", type=float, default=0.05, help="soft router temperature, last step")
-    ap.add_argument("--methods", default="soft,gated,evit,none", help="pruning methods to run")
+    ap.add_argument("--methods", default="soft,st,gated,evit,none", help="pruning methods to run")
     ap.add_argument("--routers", default="ec_soft,ec_hard,tc", help="MoE routers to run")
     ap.add_argument("--experts", type=int, default=4)
     ap.add_argument("--moe-blocks", default="0,1",
