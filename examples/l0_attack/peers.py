@@ -75,7 +75,7 @@ def peer_fn(name, model, steps):
     if name == "fb_fmn":
         import foolbox as fb
 
-        fmodel = fb.PyTorchModel(model, bounds=(0, 1))
+        fmodel = fb.PyTorchModel(model, bounds=(0, 1), device=next(model.parameters()).device)
         atk = _l0fmn_class(fb)(steps=steps)
         return lambda x, y: atk(fmodel, x, y, epsilons=None)[1]
     fmn, sigma_zero = _adv_lib()
@@ -164,7 +164,8 @@ def bb_worker(wdir, rank):
     model = data.make_model().eval()  # random init for the compile run; trained weights later
     for p in model.parameters():
         p.requires_grad_(False)
-    fmodel = fb.PyTorchModel(model, bounds=(0, 1))
+    # device: foolbox's default is cuda:0 when there is one, and it moves the model there
+    fmodel = fb.PyTorchModel(model, bounds=(0, 1), device=dev)
     out = dict(adv={}, seconds=0.0, compile_s=0.0, note="")
     path = os.path.join(wdir, f"out_{rank}.pt")
 
