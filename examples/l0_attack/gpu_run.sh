@@ -13,7 +13,7 @@ ROOT=$(cd "$HERE/../.." && pwd)
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the built fastlapsum of this checkout
 PY=${PYTHON:-python3}
 start=$(date +%s)
-timeout -k 5 140 "$PY" "$HERE/attack.py" --device cuda --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/run.log"
+timeout -k 5 140 "$PY" "$HERE/attack.py" --device cuda --images 32 --bb-workers 12 --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/run.log"
 rc=${PIPESTATUS[0]}
 echo "gpu_run.sh: exit $rc after $(( $(date +%s) - start )) s; results in $OUT" | tee -a "$OUT/run.log"
 exit "$rc"
