@@ -22,19 +22,13 @@ import argparse
 import torch
 
 import fastlapsum
+from bench_user_shapes import SHAPES as USER_SHAPES
 from bench_user_shapes import flashinfer_ms, flashinfer_top_k
 from timing import bandwidth_header, graph_median_ms_or_none, require_cuda_build, run_record, write_json
 
-SHAPES = [  # name, rows, n, k
-    ("vocabulary", 256, 152064, 50),
-    ("k_sweep_64", 2048, 262144, 64),
-    ("k_sweep_512", 2048, 262144, 512),
-    ("k_sweep_2048", 2048, 262144, 2048),
-    ("sparse_attention_rows", 2048, 131072, 2048),
-    ("l0_attack_batch", 64, 150528, 1000),
-    ("moe_expert_choice", 256, 65536, 2048),
-]
-
+_USER = {s[0]: s for s in USER_SHAPES}
+SHAPES = [_USER["vocabulary"]] + [(f"k_sweep_{k}", 2048, 262144, k) for k in (64, 512, 2048)] + [
+    _USER[name] for name in ("sparse_attention_rows", "l0_attack_batch", "moe_expert_choice")]  # name, rows, n, k
 
 def run(args):
     dev = torch.device("cuda")

@@ -113,13 +113,15 @@ def test_rows_around_the_buffer(device, dtype, n):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ties_and_constant_rows(device, dtype):
     """Constant rows (every score tied: the threshold admits the whole row, the buffer
-    overflows, the exact fallback takes the smallest indices), few levels, and a level
-    shared by more scores than k at the boundary."""
+    overflows, the exact fallback takes the smallest indices), few levels, a level shared
+    by more scores than k at the boundary, and rows of zeros but ~1500 positive scores (the
+    sample's threshold bin is the zeros': the scores above it are admitted instead)."""
     rows, n = rows_for(device, 66), 40000
     g = gen(4)
     x = torch.randint(0, 5, (rows, n), generator=g).float()
-    x[0::3] = 0.25
-    x[1::3, ::7] = 9.0  # ~5700 tied maxima: more than k and than a 16-bit buffer holds
+    x[0::4] = 0.25
+    x[1::4, ::7] = 9.0  # ~5700 tied maxima: more than k and than a 16-bit buffer holds
+    x[3::4] = torch.where(torch.rand(x[3::4].shape, generator=g) < 0.0375, torch.randn(x[3::4].shape, generator=g).abs(), 0.0)
     x = x.to(dtype).to(device)
     for k in (1, 50, 64, 700):
         check(x, k, regime="row-cta")
@@ -176,3 +178,22 @@ def test_unaligned_rows(device):
     base = torch.randn(rows_for(device, 66), VOCAB + 3, generator=gen(7)).to(device)
     check(base[:, 1:VOCAB + 1], 50, regime="row-cta")
     check(base[:, :VOCAB], 64, regime="row-cta")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hard_mask_small_budgets(device, dtype):
+    """The straight-through mask (soft_topk(hard=True)) takes the same per-row kernel with a
+    budget per row: small budgets on long rows against the oracle's ranks."""
+    rows, n = rows_for(device, 66), 40000
+    x = torch.randn(rows, n, generator=gen(8))
+    x[1 % rows, ::5] = 2.0  # ties across the boundary
+    budgets = torch.tensor([1.0, 10.0, 50.0, 64.0, 300.0, 3000.0], dtype=torch.float64)
+    k = budgets[torch.arange(rows) % len(budgets)]
+    x, k = x.to(dtype).to(device), k.to(device)
+    t = torch.ones(rows, dtype=torch.float64, device=device)
+    for largest in (True, False):
+        order = order_key(x, largest).sort(dim=1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(n, device=device).expand(rows, n))
+        want = (rank < k[:, None]).to(dtype)
+        got = fastlapsum.soft_topk(x, k, t, largest=largest, hard=True)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -144,6 +144,14 @@ __global__ void __launch_bounds__(kT, 1024 / kT) row_select_kernel(Params P) {
       __syncthreads();
       find_bin<kT>(hist, rem, sh.scan, sh.res);
       thr = (d1 << 21) | (sh.res.digit << 10);
+      // A threshold bin of many tied samples (a score much of the row shares) projects past
+      // the buffer, i.e. the exact fallback: admit only the scores above the bin where they
+      // project to the budget (if too few come, the fallback, as the overflow would have).
+      const double per = static_cast<double>(L) / static_cast<double>(S);  // scores a sample stands for
+      const uint32_t above = rstar - rem + sh.res.above;                    // samples above the bin
+      if (static_cast<double>(above + sh.res.count) * per > kSampleTieSkip * cap &&
+          static_cast<double>(above) * per >= static_cast<double>(take) && thr < 0xFFFFFC00u)
+        thr += 1u << 10;
       __syncthreads();
     }
   }

@@ -34,6 +34,10 @@ __host__ __device__ inline bool sample_fits(double take, double cap) { return 2.
 // the sample is a phase of its own before the row's one pass.
 constexpr int64_t kSampleTakePerStride = 27, kSampleCapPerStride = 118, kSampleMaxStride = 64;
 constexpr double kSampleAdmitPerTake = 1.75, kSampleRank = 47.25;
+// A threshold bin whose samples project to more than kSampleTieSkip x the buffer (a score
+// many tie at) is left out of the admission where the samples above it project to the
+// budget: the buffer would overflow with it.
+constexpr double kSampleTieSkip = 1.5;
 
 // The host's dispatch (topk_cuda.cu), fitted to H200 timings of 1-64 rows x 64K-1M scores.
 struct TopkTuningSm90 {
