@@ -30,8 +30,8 @@ __device__ __forceinline__ float key_bound(uint32_t key) {
 // (tile_exclusive_sum): tiles alternate between two warp-total arrays, and an array is
 // written again only after the barrier of the scan in between, which every thread reaches
 // after reading its prefix. kTwoTiles: two tiles in registers in turn (the candidate pass,
-// whose loads then overlap better), else one and a copy (the fallback's output pass: the
-// second tile's registers made the fallback's select spill).
+// whose loads then overlap better), else one and a copy (the fallback's output pass, where
+// two made the kernel's registers spill in the fallback's select loop).
 template <int kT, typename T, bool kTwoTiles, typename Pred, typename Sink>
 __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, bool aligned, uint32_t flip,
                                         uint32_t (&tot)[2][kT / 32], Pred&& pred, Sink&& sink) {

@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kT, 1024 / kT) row_select_kernel(Params P) {
       try_cand = false;
     } else {
       const int64_t s = row_sample_stride(take, cap);
-      const int64_t G = 8 * s;  // L > cap >= 2048 >= G
+      const int64_t G = 8 * s;  // L > cap >= 5632 > 512 >= G
       const int64_t off = sample_offset(r, s);
       const int64_t S = ((L - off - 8) / G + 1) * 8;
       double rs = ceil(sample_admit(take, s) * static_cast<double>(S) / static_cast<double>(L));

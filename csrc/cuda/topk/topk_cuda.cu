@@ -38,7 +38,8 @@
 //      with a row-dependent offset; two 11-bit histogram passes over the sample give a 22-bit
 //      key threshold T at sample rank ceil(a*S/L), a = max(1.75*take, 47.25*s) (the count
 //      it admits: sample rank ~47; small budgets admit ~cap/2.5 from a sparser sample, as
-//      the sample is a phase of its own). One fused full-row pass
+//      the sample is a phase of its own; a bin of ties that would overflow the buffer is
+//      skipped where the samples above it project to take). One fused full-row pass
 //      (16-byte vector loads) appends every score with key >= T to the smem buffer and
 //      builds the first-digit histogram of the admitted keys. If take <= count <= cap
 //      the exact select runs over the smem candidates only.
