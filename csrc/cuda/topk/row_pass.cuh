@@ -29,8 +29,10 @@ __device__ __forceinline__ float key_bound(uint32_t key) {
 // otherwise come in bursts, one tile at a time). One barrier per tile, the scan's
 // (tile_exclusive_sum): tiles alternate between two warp-total arrays, and an array is
 // written again only after the barrier of the scan in between, which every thread reaches
-// after reading its prefix.
-template <int kT, typename T, typename Pred, typename Sink>
+// after reading its prefix. kTwoTiles: two tiles in registers in turn (the candidate pass,
+// whose loads then overlap better), else one and a copy (the fallback's output pass, where
+// two made the kernel's registers spill in the fallback's select loop).
+template <int kT, typename T, bool kTwoTiles, typename Pred, typename Sink>
 __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, bool aligned, uint32_t flip,
                                         uint32_t (&tot)[2][kT / 32], Pred&& pred, Sink&& sink) {
   constexpr int V = 16 / sizeof(T), U = row_unroll<T>();
@@ -55,10 +57,7 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
   const auto score = [&](const int4(&raw)[U], int u, int e) { return raw_score<T>(raw[u], e); };
   uint32_t base = 0;
   int par = 0;  // the warp-total array of this tile
-  int4 cur[U], next[U];
-  load_tile(cur, 0);
-  for (uint32_t v0 = 0; v0 < nv; v0 += step) {
-    if (v0 + step < nv) load_tile(next, v0 + step);
+  const auto tile = [&](const int4(&cur)[U], uint32_t v0) {
     const uint32_t i0 = (v0 + threadIdx.x) * V;  // score (u, e) is i0 + u*kT*V + e
     uint32_t bits = 0;
     if (v0 + step <= whole) {  // whole tile (uniform in the block)
@@ -89,8 +88,27 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
     }
     base += agg;
     par ^= 1;
+  };
+  int4 ta[U], tb[U];
+  load_tile(ta, 0);
+  if constexpr (kTwoTiles) {
+    // Two register tiles in turn, each loaded while the other is tested: the copy below
+    // waits at the loop's end for the loads just issued, so that only they are in flight
+    // while it waits; here the next tile's are too.
+    for (uint32_t v0 = 0; v0 < nv; v0 += 2 * step) {
+      if (v0 + step < nv) load_tile(tb, v0 + step);
+      tile(ta, v0);
+      if (v0 + step >= nv) break;  // uniform
+      if (v0 + 2 * step < nv) load_tile(ta, v0 + 2 * step);
+      tile(tb, v0 + step);
+    }
+  } else {
+    for (uint32_t v0 = 0; v0 < nv; v0 += step) {
+      if (v0 + step < nv) load_tile(tb, v0 + step);
+      tile(ta, v0);
 #pragma unroll
-    for (int u = 0; u < U; ++u) cur[u] = next[u];
+      for (int u = 0; u < U; ++u) ta[u] = tb[u];
+    }
   }
   __syncthreads();  // the caller may reuse the warp totals
   return base;
@@ -98,9 +116,16 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
 
 // The fixed-stride sample: groups of 8 contiguous scores (one 32 B sector) every 8 s
 // scores, the first at a row-dependent offset (a multiple of 8 below 8 s).
-__device__ __forceinline__ int64_t row_sample_stride(int64_t take) {  // the row kernel's s
-  const int64_t s = take / 27;
-  return s < 1 ? 1 : (s > 64 ? 64 : s);
+// The row kernel's s (tuning.cuh): the sparser of the budget's and the buffer's strides.
+__device__ __forceinline__ int64_t row_sample_stride(int64_t take, int64_t cap) {
+  const int64_t a = take / kSampleTakePerStride, b = cap / kSampleCapPerStride, s = a > b ? a : b;
+  return s < 1 ? 1 : (s > kSampleMaxStride ? kSampleMaxStride : s);
+}
+// The count the row kernel's threshold admits in expectation for stride s: 1.75 x take, or
+// kSampleRank x s where the buffer set a sparser stride than the budget's.
+__device__ __forceinline__ double sample_admit(int64_t take, int64_t s) {
+  const double a = kSampleAdmitPerTake * static_cast<double>(take), b = kSampleRank * static_cast<double>(s);
+  return a > b ? a : b;
 }
 __device__ __forceinline__ int64_t sample_offset(int64_t r, int64_t s) {
   return static_cast<int64_t>(mix32(static_cast<uint32_t>(r) * 0x9E3779B9u + 0x7F4A7C15u) % static_cast<uint32_t>(s)) * 8;

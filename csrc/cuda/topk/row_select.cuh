@@ -25,13 +25,13 @@ __global__ void __launch_bounds__(kT, 1024 / kT) row_select_kernel(Params P) {
   T* mrow = kMask ? static_cast<T*>(P.out_mask) + r * P.n : nullptr;
 
   // The sample's first kT * kSampleUnroll scores for the usual budget (take = K < L: the
-  // sample's stride and offset follow from K and r alone), loaded before the row's length is
+  // sample's stride and offset follow from K, cap and r alone), loaded before the row's length is
   // known, so that the two round trips overlap; the sampled path cuts them to the length.
   // Only those a row of n scores samples (a shorter row samples a prefix of them). It pays
   // where the sample takes several rounds of loads (small K on long rows); 4-byte scores
   // only, as 16-bit rows came out slower with it.
   constexpr bool kSpec = !kMask && sizeof(T) == 4;
-  const int64_t k_s = row_sample_stride(P.K), k_off = sample_offset(r, k_s);  // K's sample
+  const int64_t k_s = row_sample_stride(P.K, P.cap), k_off = sample_offset(r, k_s);  // K's sample
   float spec[kSampleUnroll];
   int64_t spec_s = 0;  // their stride; 0: none loaded
   if constexpr (kSpec) {
@@ -89,11 +89,11 @@ __global__ void __launch_bounds__(kT, 1024 / kT) row_select_kernel(Params P) {
     if (!sample_fits(take, cap)) {
       try_cand = false;
     } else {
-      const int64_t s = row_sample_stride(take);
-      const int64_t G = 8 * s;  // L > cap >= 2048 >= G
+      const int64_t s = row_sample_stride(take, cap);
+      const int64_t G = 8 * s;  // L > cap >= 5632 > 512 >= G
       const int64_t off = sample_offset(r, s);
       const int64_t S = ((L - off - 8) / G + 1) * 8;
-      double rs = ceil(1.75 * static_cast<double>(take) * static_cast<double>(S) / static_cast<double>(L));
+      double rs = ceil(sample_admit(take, s) * static_cast<double>(S) / static_cast<double>(L));
       rs = rs < 1.0 ? 1.0 : (rs > static_cast<double>(S) ? static_cast<double>(S) : rs);
       const uint32_t rstar = static_cast<uint32_t>(rs);
       // The first pass keeps the sample's keys in the (still empty) candidate buffer when
@@ -144,6 +144,14 @@ __global__ void __launch_bounds__(kT, 1024 / kT) row_select_kernel(Params P) {
       __syncthreads();
       find_bin<kT>(hist, rem, sh.scan, sh.res);
       thr = (d1 << 21) | (sh.res.digit << 10);
+      // A threshold bin of many tied samples (a score much of the row shares) projects past
+      // the buffer, i.e. the exact fallback: admit only the scores above the bin where they
+      // project to the budget (if too few come, the fallback, as the overflow would have).
+      const double per = static_cast<double>(L) / static_cast<double>(S);  // scores a sample stands for
+      const uint32_t above = rstar - rem + sh.res.above;                    // samples above the bin
+      if (static_cast<double>(above + sh.res.count) * per > kSampleTieSkip * cap &&
+          static_cast<double>(above) * per >= static_cast<double>(take) && thr < 0xFFFFFC00u)
+        thr += 1u << 10;
       __syncthreads();
     }
   }
@@ -164,10 +172,10 @@ __global__ void __launch_bounds__(kT, 1024 / kT) row_select_kernel(Params P) {
     // bound of ~thr (NaN, the worst there, left out: needed only when the row underfills).
     if (flip == 0) {
       const float lo = key_bound(thr);
-      C = ordered_row_compact<kT, T>(xr, L, aligned, flip, sh.tile_tot, [&](float v, uint32_t) { return !(v < lo); }, add);
+      C = ordered_row_compact<kT, T, true>(xr, L, aligned, flip, sh.tile_tot, [&](float v, uint32_t) { return !(v < lo); }, add);
     } else {
       const float hi = key_bound(~thr);
-      C = ordered_row_compact<kT, T>(xr, L, aligned, flip, sh.tile_tot, [&](float v, uint32_t) { return v <= hi; }, add);
+      C = ordered_row_compact<kT, T, true>(xr, L, aligned, flip, sh.tile_tot, [&](float v, uint32_t) { return v <= hi; }, add);
     }
     __syncthreads();
   }
@@ -226,7 +234,7 @@ __global__ void __launch_bounds__(kT, 1024 / kT) row_select_kernel(Params P) {
       }
       for (uint32_t j = tid; j < base; j += kT) out(j, ckey[j], cidx[j]);
     } else {
-      ordered_row_compact<kT, T>(xr, L, aligned, flip, sh.tile_tot, is_sel_score, out);
+      ordered_row_compact<kT, T, false>(xr, L, aligned, flip, sh.tile_tot, is_sel_score, out);
     }
     pad_row<T>(P, r, take, tid, kT);
   }

@@ -34,19 +34,22 @@
 //      (keys + indices) once and select there (direct exact path for short rows).
 //    - else if 2.5*take <= cap: sampled path (the sample's first loads go out with the
 //      length's, the row's head is prefetched into L2). Fixed-stride view: groups of 8 contiguous
-//      scores (one 32 B sector) every 8*s scores, s = clamp(take/27, 1, 64), with a
-//      row-dependent offset; two 11-bit histogram passes over the sample give a 22-bit
-//      key threshold T at sample rank ceil(1.75*take*S/L). One fused full-row pass
+//      scores (one 32 B sector) every 8*s scores, s = clamp(max(take/27, cap/118), 1, 64),
+//      with a row-dependent offset; two 11-bit histogram passes over the sample give a 22-bit
+//      key threshold T at sample rank ceil(a*S/L), a = max(1.75*take, 47.25*s) (the count
+//      it admits: sample rank ~47; small budgets admit ~cap/2.5 from a sparser sample, as
+//      the sample is a phase of its own; a bin of ties that would overflow the buffer is
+//      skipped where the samples above it project to take). One fused full-row pass
 //      (16-byte vector loads) appends every score with key >= T to the smem buffer and
 //      builds the first-digit histogram of the admitted keys. If take <= count <= cap
 //      the exact select runs over the smem candidates only.
 //    - otherwise (underfill, overflow, or take too large for the buffer): exact
 //      fallback, radix select streaming the row from global memory (<= 6 passes + 1).
-//    Candidate buffer and outputs are compacted by block scans per tile (no atomics), so
-//    the unsorted output order is deterministic (run to run); then -1 / -inf (+inf for
-//    smallest) padding.
-//    cap = clamp(round_up(4*K, 256), 2048, 24576) entries of (key, index) = 8 B each
-//    (64 KiB for K = 2048) in dynamic shared memory, at most 5632 for the 256-thread CTAs;
+//    Candidate buffer and outputs are compacted by block scans per tile in row order (no
+//    atomics), so the unsorted output is in index order (deterministic); then -1 / -inf
+//    (+inf for smallest) padding.
+//    cap = clamp(round_up(4*K, 256), 8192, 24576) entries of (key, index) = 8 B each
+//    (64 KiB for K <= 2048) in dynamic shared memory, at most 5632 for the 256-thread CTAs;
 //    hard_mask plans with K = its k_max (a bound on every row's k_r, from a number k), or
 //    with cap = 8192 when no bound is known.
 // 2. Grid path (g_* kernels), for few long rows (rows <= 64 and n >= 2^16, where its cost

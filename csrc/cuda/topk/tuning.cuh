@@ -25,6 +25,20 @@ constexpr int kSampleUnroll = 8;  // row kernel: independent sample loads in fli
 // admits ~1.75x): else the row takes the exact fallback.
 __host__ __device__ inline bool sample_fits(double take, double cap) { return 2.5 * take <= cap; }
 
+// The row kernel's sample (row_pass.cuh): groups of 8 scores every 8 s scores. Its threshold
+// sits at an expected sample rank of ~kSampleRank, so that the admitted count (spread
+// ~1/sqrt(47)) stays inside the buffer's headroom: it admits kSampleAdmitPerTake x the budget
+// at s = take / kSampleTakePerStride (1.75 x 27 = kSampleRank) or, where the buffer is much
+// larger than the budget (small budgets, kRowCapMin), ~cap / 2.5 at s = cap /
+// kSampleCapPerStride (kSampleRank x s <= cap / 2.5): a sample that many times sparser, as
+// the sample is a phase of its own before the row's one pass.
+constexpr int64_t kSampleTakePerStride = 27, kSampleCapPerStride = 118, kSampleMaxStride = 64;
+constexpr double kSampleAdmitPerTake = 1.75, kSampleRank = 47.25;
+// A threshold bin whose samples project to more than kSampleTieSkip x the buffer (a score
+// many tie at) is left out of the admission where the samples above it project to the
+// budget: the buffer would overflow with it.
+constexpr double kSampleTieSkip = 1.5;
+
 // The host's dispatch (topk_cuda.cu), fitted to H200 timings of 1-64 rows x 64K-1M scores.
 struct TopkTuningSm90 {
   // The grid path is a candidate for rows <= kGridMaxRows of n >= kGridMinN scores only.
@@ -35,8 +49,11 @@ struct TopkTuningSm90 {
   static constexpr double kGridFixedUs = 35.0, kGridScoresPerUs = 625000.0;
   static constexpr double kRowFixedUs = 17.0, kRowRoundTripUs = 0.8;
   // The per-row kernel's candidate buffer (8-byte entries): kRowCapPerK x the budget rounded
-  // up to kRowCapRound, clamped to [kRowCapMin, kRowCapMax]; hard_mask's is kMaskRowCap.
-  static constexpr int64_t kRowCapPerK = 4, kRowCapRound = 256, kRowCapMin = 2048, kRowCapMax = 24576;
+  // up to kRowCapRound, clamped to [kRowCapMin, kRowCapMax]; hard_mask's is kMaskRowCap. The
+  // floor, 64 KiB (two CTAs an SM still fit), is for small budgets on long rows: their sample
+  // is as sparse as for K = 2048 (kSampleCapPerStride) and fits the buffer, so that its second
+  // histogram pass reads shared memory, not the row.
+  static constexpr int64_t kRowCapPerK = 4, kRowCapRound = 256, kRowCapMin = 8192, kRowCapMax = 24576;
   static constexpr int64_t kMaskRowCap = 8192;
   // The grid path's candidate buffer per row: the budget + 1/8 (mask: n/4) + kGridCapSlack,
   // at most kGridCapTotal entries over all rows.
