@@ -6,7 +6,7 @@
 # steps test, bench, bench_hard and timeline.
 #   device run:  bash benchmarks/gpu_check.sh     (STEPS="build test demo bench bench_hard"; carry
 #                [".whl", ".gsplat_ext"] when present: see below)
-# Knobs: STEPS (also user_shapes, eager, profile, timeline, profile_topk, ncu, ncu_hard, ncu_source, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
+# Knobs: STEPS (also user_shapes, eager, topk_long_rows, sanitize, profile, timeline, profile_topk, ncu, ncu_hard, ncu_source, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
 # NCU_KERNELS, NCU_SIZES, NCU_HARD_SHAPE, NCU_HARD_K, NCU_METRICS, NCU_EXTRA (e.g. --section SourceCounters),
 # NCU_SRC_KERNEL, NCU_SRC_SKIP, NCU_SRC_CMD (step ncu_source), BUDGET (seconds for the whole script).
 # SLOW (0: skip slow tests), PYTEST_EXTRA (unquoted words only), BENCH_ARGS, BENCH_HARD_ARGS, and the examples' own gpu_run.sh (each writes its README's table).
@@ -57,6 +57,11 @@ for step in $STEPS; do
     bench) run bench_soft "${BENCH_TIMEOUT:-420}" $PY benchmarks/bench_soft_topk.py ${BENCH_ARGS:-} --out "$L/soft_topk_h200.json" ;;
     user_shapes) run user_shapes 300 $PY benchmarks/bench_user_shapes.py --out "$L/user_shapes_h200.json" ;;
     eager) run eager 200 $PY benchmarks/bench_eager.py --device cuda --out "$L/eager_h200.json" ;;
+    topk_long_rows) run topk_long_rows 200 $PY benchmarks/bench_topk_long_rows.py --out "$L/topk_long_rows_h200.json" ;;
+    sanitize)  # memcheck over every kernel on small awkward shapes (tools/sanitize_smoke.py)
+      SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+      [ -n "$SAN" ] && run sanitize "${SANITIZE_TIMEOUT:-300}" "$SAN" --tool memcheck --error-exitcode 9 $PY tools/sanitize_smoke.py --quick \
+        || echo "compute-sanitizer: not found or failed" ;;
     bench_hard) run bench_hard "${BENCH_TIMEOUT:-420}" $PY benchmarks/bench_hard_topk.py ${BENCH_HARD_ARGS:-} --out "$L/hard_topk_h200.json" ;;
     profile) FASTLAPSUM_DEPENDENT_LAUNCH=0 run profile 120 $PY benchmarks/profile_kernels.py --sizes ${PROFILE_SIZES:-1e6 1e8} && FASTLAPSUM_DEPENDENT_LAUNCH=0 $PY benchmarks/profile_kernels.py --rows 16 --sizes 4096 >> "$L/profile.log" ;;
     timeline)  # each launch of one soft forward in order, without and with dependent launches
