@@ -26,7 +26,7 @@ import math
 import torch
 
 import fastlapsum
-from timing import bandwidth_header, graph_median_ms, median_ms, require_cuda_build, run_record, write_json
+from timing import bandwidth_header, finish, graph_median_ms, median_ms, require_cuda_build, run_record
 
 KB = 1024
 MATRIX_M = [512, 1024, 2048, 4096, 8192]
@@ -168,11 +168,8 @@ def main():
     args = ap.parse_args()
     require_cuda_build()
     result = run(args)
-    bad = [r for r in result["rows"] if r.get("exact") is False]
-    if args.out:
-        write_json(result, args.out)
-    if bad:
-        raise SystemExit(f"{len(bad)} case(s) NOT EXACT")
+    bad = [f"{r['case']} {r['M']}x{r['N']} K={r['K']}" for r in result["rows"] if r.get("exact") is False]
+    finish(result, args.out, bad)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch
 import fastlapsum
 from bench_user_shapes import SHAPES as USER_SHAPES
 from bench_user_shapes import flashinfer_ms, flashinfer_top_k
-from timing import bandwidth_header, graph_median_ms_or_none, require_cuda_build, run_record, write_json
+from timing import bandwidth_header, finish, graph_median_ms_or_none, require_cuda_build, run_record
 
 _USER = {s[0]: s for s in USER_SHAPES}
 SHAPES = [_USER["vocabulary"]] + [(f"k_sweep_{k}", 2048, 262144, k) for k in (64, 512, 2048)] + [
@@ -75,10 +75,7 @@ def main():
     args = ap.parse_args()
     require_cuda_build()
     result, bad = run(args)
-    if args.out:
-        write_json(result, args.out)
-    if bad:
-        raise SystemExit(f"fastlapsum.topk NOT EXACT on: {', '.join(bad)}")
+    finish(result, args.out, bad)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,15 @@ def write_json(result: dict, path: str) -> None:
     print(f"wrote {path}")
 
 
+def finish(result: dict, path: str | None, not_exact: list[str]) -> None:
+    """Write the result (when a path is given), then fail the run if any case was not exact:
+    a timing of a wrong answer must not pass as a measurement."""
+    if path:
+        write_json(result, path)
+    if not_exact:
+        raise SystemExit(f"NOT EXACT: {', '.join(not_exact)}")
+
+
 def require_cuda_build() -> None:
     """Exit unless a CUDA device and fastlapsum's CUDA kernels are both here."""
     import fastlapsum
