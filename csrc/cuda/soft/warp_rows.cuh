@@ -100,7 +100,7 @@ __device__ __forceinline__ double solve_sorted_warp(const Key (&keys)[kItems], i
   }
   Gap gap;
   double C;
-  const int lead = gap_in_run<Key, SK, kLanes>(run, owner * kItems, kItems, G::from(x, owner), G::from(y, owner),
+  const int lead = gap_in_run<Key, SK, kLanes, kItems>(run, owner * kItems, kItems, G::from(x, owner), G::from(y, owner),
                                                G::from(v_before, owner), first, end, kf,
                                                SortedTails{0.0, 0.0, 0.0, 0.0, 0.0}, e, &gap, &C);
   // The lead's candidate to every lane (one uniform path through solve_interval).
