@@ -34,7 +34,9 @@ template <typename scalar_t, int kItems, int kStride>
 __device__ __forceinline__ void write_mask(const scalar_t* __restrict__ row, scalar_t* __restrict__ prow, int n,
                                            double sign, double b, double t, double edge, bool log_mode, int tid) {
   // Unconditional loads of clamped positions (past the row: its last score, unused): the
-  // compiler otherwise rebuilds each predicated load's address from the row index.
+  // compiler otherwise rebuilds each predicated load's address from the row index. An empty
+  // row has no position to clamp to.
+  if (n == 0) return;
   double s[kItems];
 #pragma unroll
   for (int q = 0; q < kItems; ++q) s[q] = sign * static_cast<double>(row[clamp_index(q * kStride + tid, n)]);
