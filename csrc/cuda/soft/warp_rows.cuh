@@ -30,6 +30,9 @@ __device__ __forceinline__ void warp_sort_descending(Key (&keys)[kItems]) {
     keys[q] = hi;
     keys[u] = lo;
   };
+  const auto keep = [](bool keep_max, Key mine, Key other) {  // a lane's side of a pair across lanes
+    return keep_max ? (other > mine ? other : mine) : (other < mine ? other : mine);
+  };
 #pragma unroll
   for (int size = 2; size <= kN; size <<= 1) {
     if (size <= kItems) {
@@ -39,16 +42,13 @@ __device__ __forceinline__ void warp_sort_descending(Key (&keys)[kItems]) {
     } else {
       const int m = size / kItems - 1;  // the mirrored lane
       const bool keep_max = (lane & (size / kItems / 2)) == 0;
-      const auto keep = [&](Key mine, Key other) {
-        return keep_max ? (other > mine ? other : mine) : (other < mine ? other : mine);
-      };
       // Registers q and kItems - 1 - q swap partners: both shuffled before either changes.
 #pragma unroll
       for (int q = 0; q < (kItems + 1) / 2; ++q) {
         const int u = kItems - 1 - q;
         const Key for_q = G::exchange(keys[u], m), for_u = G::exchange(keys[q], m);
-        keys[q] = keep(keys[q], for_q);
-        if (u != q) keys[u] = keep(keys[u], for_u);
+        keys[q] = keep(keep_max, keys[q], for_q);
+        if (u != q) keys[u] = keep(keep_max, keys[u], for_u);
       }
     }
 #pragma unroll
@@ -58,8 +58,7 @@ __device__ __forceinline__ void warp_sort_descending(Key (&keys)[kItems]) {
         const bool keep_max = (lane & m) == 0;
 #pragma unroll
         for (int q = 0; q < kItems; ++q) {
-          const Key other = G::exchange(keys[q], m);
-          keys[q] = keep_max ? (other > keys[q] ? other : keys[q]) : (other < keys[q] ? other : keys[q]);
+          keys[q] = keep(keep_max, keys[q], G::exchange(keys[q], m));
         }
       } else {
 #pragma unroll
