@@ -514,8 +514,8 @@ __device__ __forceinline__ double solve_sorted(SolveStorage& st, double (&last_v
     const Key key = lane < kItems ? static_cast<Key>(st.walk_keys[lane]) : Key(0);
     Gap gap;
     double C;
-    const int lead = gap_in_run<Key, SK, 32, kItems>(key, owner * kItems, kItems, st.walk_x, st.walk_y, st.walk_v_before, first,
-                                         end, kf, tails, e, &gap, &C);
+    const int lead = gap_in_run<Key, SK, 32, kItems>(key, owner * kItems, kItems, st.walk_x, st.walk_y,
+                                                     st.walk_v_before, first, end, kf, tails, e, &gap, &C);
     if (lane == lead) {
       st.gap = gap;
       st.C = C;

@@ -99,9 +99,9 @@ __device__ __forceinline__ double solve_sorted_warp(const Key (&keys)[kItems], i
   }
   Gap gap;
   double C;
-  const int lead = gap_in_run<Key, SK, kLanes, kItems>(run, owner * kItems, kItems, G::from(x, owner), G::from(y, owner),
-                                               G::from(v_before, owner), first, end, kf,
-                                               SortedTails{0.0, 0.0, 0.0, 0.0, 0.0}, e, &gap, &C);
+  const int lead = gap_in_run<Key, SK, kLanes, kItems>(run, owner * kItems, kItems, G::from(x, owner),
+                                                       G::from(y, owner), G::from(v_before, owner), first, end, kf,
+                                                       SortedTails{0.0, 0.0, 0.0, 0.0, 0.0}, e, &gap, &C);
   // The lead's candidate to every lane (one uniform path through solve_interval).
   const auto from_lead = [&](double v) { return G::from(v, lead); };
   return solve_interval(from_lead(C), from_lead(gap.A), from_lead(gap.B), from_lead(gap.hi), from_lead(gap.lo), kf, t);
