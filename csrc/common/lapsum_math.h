@@ -76,7 +76,8 @@ FLS_HD float lapsum_prob_f(double s, double b, double inv_t, double edge) {
   if (b == INFINITY) return s == INFINITY ? static_cast<float>(edge) : 0.0f;
   if (b == -INFINITY) return s == -INFINITY ? static_cast<float>(edge) : 1.0f;
   const double u = (s - b) * inv_t;
-  return u <= 0.0 ? 0.5f * exp_f(u) : 1.0f - 0.5f * exp_f(-u);
+  const float h = 0.5f * exp_f(-fabs(u));  // one exponential, the tail's: F(u) or 1 - F(u)
+  return u <= 0.0 ? h : 1.0f - h;
 }
 
 FLS_HD double lapsum_log_prob(double s, double b, double t, double edge) {

@@ -23,31 +23,44 @@ namespace {
 
 static_assert(kShortThreads == kSortedThreads, "the CTA regime (plan_soft.h) runs sorted_solve's block");
 
+// Position i of a row of n >= 1 scores, or its last one past the end.
+__device__ __forceinline__ unsigned clamp_index(int i, int n) { return static_cast<unsigned>(i < n ? i : n - 1); }
+
 // The row's mask (or log mask) from its threshold, re-reading the scores (from L1/L2), item
-// q of thread tid (of kStride) at q * kStride + tid: all loads first, then branch-free
-// per-element math, so the loads and exponentials overlap.
+// q of thread tid (of kStride) at q * kStride + tid (n: a short row's, int): all loads
+// first, then branch-free per-element math, so the loads and exponentials overlap. Below
+// fp64 the mask stays in fp32 from the exponential to the store (lapsum_prob_f).
 template <typename scalar_t, int kItems, int kStride>
-__device__ __forceinline__ void write_mask(const scalar_t* __restrict__ row, scalar_t* __restrict__ prow, int64_t n,
+__device__ __forceinline__ void write_mask(const scalar_t* __restrict__ row, scalar_t* __restrict__ prow, int n,
                                            double sign, double b, double t, double edge, bool log_mode, int tid) {
+  // Unconditional loads of clamped positions (past the row: its last score, unused): the
+  // compiler otherwise rebuilds each predicated load's address from the row index. An empty
+  // row has no position to clamp to.
+  if (n == 0) return;
   double s[kItems];
 #pragma unroll
-  for (int q = 0; q < kItems; ++q) {
-    const int64_t i = q * kStride + tid;
-    s[q] = i < n ? sign * static_cast<double>(row[i]) : 0.0;
-  }
-  const double inv_t = inv_temperature(t);
+  for (int q = 0; q < kItems; ++q) s[q] = sign * static_cast<double>(row[clamp_index(q * kStride + tid, n)]);
+  const auto store = [&](int q, auto p) {
+    const int i = q * kStride + tid;
+    if (i < n) prow[clamp_index(i, n)] = static_cast<scalar_t>(p);
+  };
   if (log_mode) {
 #pragma unroll
-    for (int q = 0; q < kItems; ++q) s[q] = lapsum_log_prob(s[q], b, t, edge);
-  } else {
-#pragma unroll
-    for (int q = 0; q < kItems; ++q) s[q] = mask_prob<scalar_t>(s[q], b, t, inv_t, edge);
+    for (int q = 0; q < kItems; ++q) store(q, lapsum_log_prob(s[q], b, t, edge));
+    return;
   }
+  const double inv_t = inv_temperature(t);
+  const auto mask = [&] {
 #pragma unroll
-  for (int q = 0; q < kItems; ++q) {
-    const int64_t i = q * kStride + tid;
-    if (i < n) prow[i] = static_cast<scalar_t>(s[q]);
-  }
+    for (int q = 0; q < kItems; ++q) {
+      if constexpr (std::is_same<scalar_t, double>::value) store(q, lapsum_prob(s[q], b, t, edge));
+      else store(q, lapsum_prob_f(s[q], b, inv_t, edge));
+    }
+  };
+  // The same call on both sides: this side lets the compiler drop the per-score tests of an
+  // infinite b (the row's, uniform).
+  if (b == INFINITY || b == -INFINITY) mask();
+  else mask();
 }
 
 // A row's threshold, edge and diagnostics (diag[3 r + 1]: the finite scores sorted).
@@ -106,7 +119,8 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
   }
   if (tid == 0) write_row_result(b_out, edge_out, diag, r, n, sign, b, edge, settled, c.pinf + c.ninf);
   if (p_out == nullptr) return;
-  write_mask<scalar_t, kItems, kShortThreads>(row, p_out + r * n, n, sign, b, t, edge, log_mode, tid);
+  write_mask<scalar_t, kItems, kShortThreads>(row, p_out + r * n, static_cast<int>(n), sign, b, t, edge, log_mode,
+                                              tid);
 }
 
 // One row per group of kLanes lanes (a warp, or 8 / 16 lanes for rows of at most that many
@@ -132,6 +146,7 @@ warp_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in
   const scalar_t* row = x + r * n;
   const double k = k_in[r], t = t_in[r];
 
+  const int nn = static_cast<int>(n);  // at most warp_row_max
   Key keys[kItems];
   NonFiniteCount count;
 #pragma unroll
@@ -149,11 +164,11 @@ warp_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in
   const bool settled = settle_row(k, t, static_cast<double>(n), nan, pinf, ninf, &b, &edge, &kf);
   if (!settled) {  // uniform across the group
     warp_sort_descending<Key, kItems, kLanes>(keys);  // positions [0, n) hold the row, padding after
-    b = solve_sorted_warp<Key, SK, kItems, kLanes>(keys, pinf, static_cast<int>(n) - ninf, kf, t);
+    b = solve_sorted_warp<Key, SK, kItems, kLanes>(keys, pinf, nn - ninf, kf, t);
   }
   if (lane == 0) write_row_result(b_out, edge_out, diag, r, n, sign, b, edge, settled, pinf + ninf);
   if (p_out == nullptr) return;
-  write_mask<scalar_t, kItems, kLanes>(row, p_out + r * n, n, sign, b, t, edge, log_mode, lane);
+  write_mask<scalar_t, kItems, kLanes>(row, p_out + r * n, nn, sign, b, t, edge, log_mode, lane);
 }
 
 // The warp regime (soft_regime_cuda, plan_soft.h) holds rows of at most warp_row_max.

@@ -398,13 +398,13 @@ __device__ __forceinline__ bool run_passes(int j0, int first, int end, double ab
   return psi_sorted(above_count + static_cast<double>(j0 - 1 - first), x, 1.0 + fma(fa, y, rc)) >= kf;
 }
 
-// The root's gap inside the run of `count` <= kLanes positions o0 + lane that owns it (the
-// last run whose test before it fails), walked a lane each: lane q of the group holds the
-// key at o0 + q (lanes >= count: ignored), x = A'_{o0 - 1}, y = R_{o0 + count}, v_before =
-// s_{o0 - 1} (each the same in every lane). Every lane computes its candidate (*gap, *C);
-// returns the group lane whose candidate holds (the same in every lane). The whole group
-// calls.
-template <typename Key, typename SK, int kLanes = 32>
+// The root's gap inside the run of `count` <= kMaxCount <= kLanes positions o0 + lane that
+// owns it (the last run whose test before it fails), walked a lane each: lane q of the group
+// holds the key at o0 + q (lanes >= count: ignored), x = A'_{o0 - 1}, y = R_{o0 + count},
+// v_before = s_{o0 - 1} (each the same in every lane). Every lane computes its candidate
+// (*gap, *C); returns the group lane whose candidate holds (the same in every lane). The
+// whole group calls.
+template <typename Key, typename SK, int kLanes = 32, int kMaxCount = kLanes>
 __device__ __forceinline__ int gap_in_run(Key key, int o0, int count, double x, double y, double v_before, int first,
                                           int end, double kf, const SortedTails& tails, const GapExp& e, Gap* gap,
                                           double* C) {
@@ -418,7 +418,9 @@ __device__ __forceinline__ int gap_in_run(Key key, int o0, int count, double x, 
   const bool in = mine && j > first && j < end;
   const double f = in ? e(vq - vp) : 1.0;
   double ua = f, uc = in ? f : 0.0, da = ua, dc = uc;
-  warp_scan_maps<kLanes>(ua, uc, da, dc);
+  // Lanes at and past count hold the identity: the scans need kMaxCount lanes' steps only
+  // (the up scan is read below count; the down scan at count, where it is the identity).
+  warp_scan_maps<kLanes, kMaxCount>(ua, uc, da, dc);
   const double a_j = fma(ua, x, uc);          // A'_j
   double a_prev = G::up(a_j, 1);              // A'_{j-1}
   if (lane == 0) a_prev = x;
@@ -512,8 +514,8 @@ __device__ __forceinline__ double solve_sorted(SolveStorage& st, double (&last_v
     const Key key = lane < kItems ? static_cast<Key>(st.walk_keys[lane]) : Key(0);
     Gap gap;
     double C;
-    const int lead = gap_in_run<Key, SK>(key, owner * kItems, kItems, st.walk_x, st.walk_y, st.walk_v_before, first,
-                                         end, kf, tails, e, &gap, &C);
+    const int lead = gap_in_run<Key, SK, 32, kItems>(key, owner * kItems, kItems, st.walk_x, st.walk_y,
+                                                     st.walk_v_before, first, end, kf, tails, e, &gap, &C);
     if (lane == lead) {
       st.gap = gap;
       st.C = C;

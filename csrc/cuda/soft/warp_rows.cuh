@@ -12,42 +12,58 @@
 namespace fastlapsum {
 
 // Sorts the group's kLanes * kItems keys descending into the blocked arrangement (any
-// arrangement in). A bitonic network: compare-exchanges of positions p and p ^ stride, the
-// lower position taking the larger key where p's bit `size` is clear (every stage's last
-// merge, size = kLanes * kItems, sorts all descending); strides below kItems stay in a
-// lane's registers, larger ones pair lane l with lane l ^ (stride / kItems) through a
-// shuffle. The whole group calls.
+// arrangement in). A bitonic network in its flip form, so that no compare-exchange depends
+// on a direction: each merge of size `size` first compares positions p and p ^ (size - 1)
+// (the second half mirrored), then p and p ^ stride for stride = size / 4, ..., 1; the lower
+// position always takes the larger key. Pairs inside a lane (partner distance < kItems) are
+// a max and a min of two registers; pairs across lanes pair lane l with lane l ^ m through
+// a shuffle, the lower lane keeping the max (a mirrored pair also mirrors the register:
+// q with kItems - 1 - q). The whole group calls.
 template <typename Key, int kItems, int kLanes = 32>
 __device__ __forceinline__ void warp_sort_descending(Key (&keys)[kItems]) {
   static_assert(kItems >= 1 && kItems <= 32 && (kItems & (kItems - 1)) == 0, "a power of two keys a lane");
   using G = LaneGroup<kLanes>;
   constexpr int kN = kLanes * kItems;
   const int lane = G::lane();
+  const auto in_lane = [&](int q, int u) {  // q < u
+    const Key hi = keys[q] > keys[u] ? keys[q] : keys[u], lo = keys[q] > keys[u] ? keys[u] : keys[q];
+    keys[q] = hi;
+    keys[u] = lo;
+  };
+  const auto keep = [](bool keep_max, Key mine, Key other) {  // a lane's side of a pair across lanes
+    return keep_max ? (other > mine ? other : mine) : (other < mine ? other : mine);
+  };
 #pragma unroll
   for (int size = 2; size <= kN; size <<= 1) {
+    if (size <= kItems) {
 #pragma unroll
-    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      for (int q = 0; q < kItems; ++q)
+        if ((q & (size / 2)) == 0) in_lane(q, q ^ (size - 1));
+    } else {
+      const int m = size / kItems - 1;  // the mirrored lane
+      const bool keep_max = (lane & (size / kItems / 2)) == 0;
+      // Registers q and kItems - 1 - q swap partners: both shuffled before either changes.
+#pragma unroll
+      for (int q = 0; q < (kItems + 1) / 2; ++q) {
+        const int u = kItems - 1 - q;
+        const Key for_q = G::exchange(keys[u], m), for_u = G::exchange(keys[q], m);
+        keys[q] = keep(keep_max, keys[q], for_q);
+        if (u != q) keys[u] = keep(keep_max, keys[u], for_u);
+      }
+    }
+#pragma unroll
+    for (int stride = size / 4; stride > 0; stride >>= 1) {
       if (stride >= kItems) {
-        // p & size is lane & (size / kItems) here (size > stride >= kItems).
         const int m = stride / kItems;
-        const bool descending = (lane & (size / kItems)) == 0;
-        const bool keep_max = descending == ((lane & m) == 0);
+        const bool keep_max = (lane & m) == 0;
 #pragma unroll
         for (int q = 0; q < kItems; ++q) {
-          const Key other = G::exchange(keys[q], m);
-          keys[q] = keep_max ? (other > keys[q] ? other : keys[q]) : (other < keys[q] ? other : keys[q]);
+          keys[q] = keep(keep_max, keys[q], G::exchange(keys[q], m));
         }
       } else {
 #pragma unroll
-        for (int q = 0; q < kItems; ++q) {
-          if (q & stride) continue;
-          const int u = q | stride;
-          // p & size: the register index's bit while size < kItems, else the lane's.
-          const bool descending = size < kItems ? (q & size) == 0 : (lane & (size / kItems)) == 0;
-          const Key hi = keys[q] > keys[u] ? keys[q] : keys[u], lo = keys[q] > keys[u] ? keys[u] : keys[q];
-          keys[q] = descending ? hi : lo;
-          keys[u] = descending ? lo : hi;
-        }
+        for (int q = 0; q < kItems; ++q)
+          if ((q & stride) == 0) in_lane(q, q | stride);
       }
     }
   }
@@ -83,9 +99,9 @@ __device__ __forceinline__ double solve_sorted_warp(const Key (&keys)[kItems], i
   }
   Gap gap;
   double C;
-  const int lead = gap_in_run<Key, SK, kLanes>(run, owner * kItems, kItems, G::from(x, owner), G::from(y, owner),
-                                               G::from(v_before, owner), first, end, kf,
-                                               SortedTails{0.0, 0.0, 0.0, 0.0, 0.0}, e, &gap, &C);
+  const int lead = gap_in_run<Key, SK, kLanes, kItems>(run, owner * kItems, kItems, G::from(x, owner),
+                                                       G::from(y, owner), G::from(v_before, owner), first, end, kf,
+                                                       SortedTails{0.0, 0.0, 0.0, 0.0, 0.0}, e, &gap, &C);
   // The lead's candidate to every lane (one uniform path through solve_interval).
   const auto from_lead = [&](double v) { return G::from(v, lead); };
   return solve_interval(from_lead(C), from_lead(gap.A), from_lead(gap.B), from_lead(gap.hi), from_lead(gap.lo), kf, t);

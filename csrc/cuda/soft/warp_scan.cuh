@@ -111,13 +111,17 @@ struct LaneGroup {
 
 // Inclusive Kogge-Stone scans of one affine map x -> a x + c per lane of a group: (ua, uc)
 // composed up the lanes (earlier lanes first, then this one), (da, dc) down (later lanes
-// first). A map (a1, c1) then (a2, c2) is (a1 a2, a2 c1 + c2). The whole group calls.
-template <int kLanes = 32>
+// first). A map (a1, c1) then (a2, c2) is (a1 a2, a2 c1 + c2). Where the lanes at and past
+// kSpan hold the identity, kSpan < kLanes takes only the steps that lanes below kSpan need:
+// theirs come out exact, and the down scan of every lane at or past kSpan stays the identity
+// (the up scan there is left partial). The whole group calls.
+template <int kLanes = 32, int kSpan = kLanes>
 __device__ __forceinline__ void warp_scan_maps(double& ua, double& uc, double& da, double& dc) {
+  static_assert(kSpan >= 1 && kSpan <= kLanes, "a span of the group");
   using G = LaneGroup<kLanes>;
   const int lane = G::lane();
 #pragma unroll
-  for (int d = 1; d < kLanes; d <<= 1) {
+  for (int d = 1; d < kSpan; d <<= 1) {
     const double pa = G::up(ua, d), pc = G::up(uc, d);
     const double na = G::down(da, d), nc = G::down(dc, d);
     if (lane >= d) {
