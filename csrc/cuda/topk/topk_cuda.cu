@@ -45,8 +45,9 @@
 //      the exact select runs over the smem candidates only.
 //    - otherwise (underfill, overflow, or take too large for the buffer): exact
 //      fallback, radix select streaming the row from global memory (<= 6 passes + 1).
-//    Candidate buffer and outputs are compacted by block scans per tile in row order (no
-//    atomics), so the unsorted output is in index order (deterministic); then -1 / -inf
+//    Candidate buffer and outputs are compacted by block scans per tile (no atomics; a
+//    tile's scores in thread order, each thread's strided over the tile, so not index
+//    order), so the unsorted output order is deterministic (run to run); then -1 / -inf
 //    (+inf for smallest) padding.
 //    cap = clamp(round_up(4*K, 256), 8192, 24576) entries of (key, index) = 8 B each
 //    (64 KiB for K <= 2048) in dynamic shared memory, at most 5632 for the 256-thread CTAs;
