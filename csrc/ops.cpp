@@ -100,6 +100,10 @@ TORCH_LIBRARY(fastlapsum, m) {
         " int k_max=-1)"
         " -> (Tensor, Tensor, Tensor)");
   m.def("_topk_python(Tensor x, int k, bool largest, bool sorted, Tensor? lengths) -> (Tensor, Tensor)");
+  // topk's backward (values are a gather of x): the upstream gradient scattered back to the
+  // selected indices of rows of n scores, padding (-1) left out. Composite (PyTorch ops), so
+  // itself differentiable; the C++ and the Python autograd Functions both call it.
+  m.def("_topk_backward(Tensor grad, Tensor indices, int n) -> Tensor");
 }
 
 namespace {

@@ -345,9 +345,7 @@ class _TopK(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_values, g_indices) -> tuple:
         (idx,) = ctx.saved_tensors
-        valid = idx >= 0
-        grad = g_values.new_zeros(ctx.x_shape).scatter_add(1, idx.clamp(min=0), torch.where(valid, g_values, 0))
-        return grad, None, None, None, None
+        return ops._topk_backward(g_values, idx, ctx.x_shape[1]), None, None, None, None
 
     @staticmethod
     def jvp(ctx, dx, *_) -> tuple:
@@ -426,7 +424,8 @@ def _vmap_rows(op_name: str, n_out: int) -> None:
 
 
 for _name, _n in (("lapsum_threshold", 3), ("soft_topk_forward", 3), ("lapsum_mask", 1),
-                  ("soft_topk_backward", 3), ("lapsum_threshold_backward", 3), ("topk", 2)):
+                  ("soft_topk_backward", 3), ("lapsum_threshold_backward", 3), ("topk", 2),
+                  ("_topk_backward", 1)):
     _vmap_rows(_name, _n)
 
 

@@ -185,6 +185,22 @@ def test_topk(device, dtype, with_lengths, sorted_):
         assert i[r, m:].tolist() == [-1] * (8 - m)
 
 
+def test_topk_backward(device):
+    """topk's backward op (both autograd Functions call it): the gradient of the selected
+    values scattered to their indices, padding (-1) contributing nothing; differentiable."""
+    g = torch.randn(3, 4, dtype=F64, device=device, requires_grad=True)
+    idx = torch.tensor([[5, 0, 2, -1], [1, 1 + 6, 3, 4], [-1, -1, -1, -1]], device=device)
+    opcheck(ops._topk_backward, (g, idx, 9))
+    got = ops._topk_backward(g, idx, 9)
+    want = torch.zeros(3, 9, dtype=F64, device=device)
+    for r in range(3):
+        for j in range(4):
+            if idx[r, j] >= 0:
+                want[r, idx[r, j]] += g[r, j].detach()
+    torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+    torch.autograd.gradcheck(lambda a: ops._topk_backward(a, idx, 9), (g,))
+
+
 def test_gradcheck_through_ops(device):
     """The registered autograd formulas against finite differences (fp64)."""
     x, k, t = sample(device, F64, rows=3, n=12, requires_grad=True, seed=5)

@@ -55,6 +55,7 @@ FASTLAPSUM_OP(threshold_vjp_graph_op, "fastlapsum::_lapsum_threshold_vjp_graph",
 FASTLAPSUM_OP(threshold_python_op, "fastlapsum::_lapsum_threshold_python", ThresholdSig)
 FASTLAPSUM_OP(soft_python_op, "fastlapsum::_soft_topk_forward_python", SoftSig)
 FASTLAPSUM_OP(topk_python_op, "fastlapsum::_topk_python", TopkSig)
+FASTLAPSUM_OP(topk_backward_op, "fastlapsum::_topk_backward", Tensor(const Tensor&, const Tensor&, int64_t))
 #undef FASTLAPSUM_OP
 
 template <class Sig, class... Args>
@@ -194,9 +195,7 @@ struct TopKFunction : torch::autograd::Function<TopKFunction> {
     variable_list out(6);
     const Tensor& g = grads[0];
     if (!g.defined()) return out;
-    const Tensor idx = ctx->get_saved_variables()[0];
-    const int64_t n = ctx->saved_data["n"].toInt();
-    out[0] = at::zeros({idx.size(0), n}, g.options()).scatter_add(1, idx.clamp_min(0), g.masked_fill(idx < 0, 0));
+    out[0] = topk_backward_op().call(g, ctx->get_saved_variables()[0], ctx->saved_data["n"].toInt());
     return out;
   }
 };
@@ -241,8 +240,15 @@ std::tuple<Tensor, Tensor> topk_autograd(const Tensor& x, int64_t k, bool larges
   }
 }
 
+Tensor topk_backward(const Tensor& grad, const Tensor& indices, int64_t n) {
+  return at::zeros({indices.size(0), n}, grad.options())
+      .scatter_add(1, indices.clamp_min(0), grad.masked_fill(indices < 0, 0));
+}
+
 }  // namespace
 }  // namespace fastlapsum
+
+TORCH_LIBRARY_IMPL(fastlapsum, CompositeImplicitAutograd, m) { m.impl("_topk_backward", &fastlapsum::topk_backward); }
 
 TORCH_LIBRARY_IMPL(fastlapsum, Autograd, m) {
   m.impl("lapsum_threshold", &fastlapsum::threshold_autograd);
