@@ -44,8 +44,11 @@ run() {  # run NAME TIMEOUT CMD...: log to $L/NAME.log, show its tail
     [ "$left" -lt "$limit" ] && limit=$left
   fi
   echo "=== $name ($(date +%T))"
-  timeout "$limit" "$@" > "$L/$name.log" 2>&1 || { echo "!!! $name failed ($?)"; status=1; }
+  # SIGINT first: pytest then prints its summary (the FAILED lines) of what ran, Python
+  # scripts their traceback; SIGKILL 20 s later
+  timeout -s INT -k 20 "$limit" "$@" > "$L/$name.log" 2>&1 || { echo "!!! $name failed ($?)"; status=1; }
   tail -${TAIL:-30} "$L/$name.log"
+  grep -E "^(FAILED|ERROR) " "$L/$name.log" | head -40 || true
 }
 for step in $STEPS; do
   case $step in
@@ -85,6 +88,6 @@ for step in $STEPS; do
     l0_attack) run l0_attack "${EXAMPLE_TIMEOUT:-420}" bash examples/l0_attack/gpu_run.sh "$L/l0_attack" ;;
   esac
 done
-grep -h "passed\|failed\|error" "$L"/tests.log 2>/dev/null | tail -3 > "$OUT/summary.txt"
+{ grep -h "passed\|failed\|error" "$L"/tests.log 2>/dev/null | tail -3; grep -h -E "^(FAILED|ERROR) " "$L"/*.log 2>/dev/null | head -60; } > "$OUT/summary.txt"
 tar czf "$OUT/gpu_check.tgz" -C "$OUT" logs && rm -rf "$L"
 exit $status
