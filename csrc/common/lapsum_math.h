@@ -60,7 +60,11 @@ FLS_HD float exp_f(double u) {
   const float uf = static_cast<float>(u);
   const float du = static_cast<float>(u - static_cast<double>(uf));
   const float e = expf(uf);
+#ifdef __CUDA_ARCH__
   return fmaf(e, du, e);  // e^{uf} (1 + du), one rounding
+#else
+  return e + e * du;  // the host's fmaf is a library call without FMA code generation: one rounding more
+#endif
 }
 
 // 1/t for the per-element passes (a multiply, not an fp64 division, per score), capped so
