@@ -17,8 +17,6 @@ mkdir -p "$OUT/logs"
 L=$OUT/logs
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} FASTLAPSUM_CUDA=${FASTLAPSUM_CUDA:-1}
 export PYTHONUNBUFFERED=1
-# The examples' scripts run with the machine's python3: they import this checkout's build.
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 STEPS=${STEPS:-"build test demo bench bench_hard"}
 PY=${PY:-.venv/bin/python}
 # Carried packages (device README): wheels in .whl/ (FlashInfer, gsplat, the L0 peers) and

@@ -15,6 +15,7 @@ they never share the GPU with the attacks whose times are measured there.
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -64,7 +65,7 @@ def _l0fmn_class(fb):
 
     class L0FMN(fb.attacks.L0FMNAttack):
         def project(self, x, x0, epsilon):
-            d = int(torch.tensor(x0.shape[1:]).prod())
+            d = math.prod(x0.shape[1:])
             return super().project(x, x0, epsilon.minimum(d - 1))
 
     return L0FMN

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Token pruning + MoE routing on one GPU, sized for a hard 150 s wall limit.
 # Fixed step counts, the same for every run of a phase and every seed (no timing-based
-# sizing): 7 pruning configurations x 3 seeds x 160 steps, 3 MoE routers x 3 seeds x 120
+# sizing): 9 pruning configurations x 3 seeds x 160 steps, 3 MoE routers x 3 seeds x 120
 # steps. Estimated on an H200 from measured ms/step at batch 512 (pruning 15-20, MoE
 # 14-15): ~95 s in all with start-up; ~130 s if every run were as slow as the slowest run
 # seen. --deadline 120 is a safety net only (no new run after 120 s of train.py; skipped
@@ -17,6 +17,8 @@ OUT=${1:?usage: gpu_run.sh OUTDIR [train.py flags]}
 shift
 mkdir -p "$OUT"
 HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the built fastlapsum of this checkout
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 SECONDS=0
