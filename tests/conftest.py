@@ -107,10 +107,21 @@ def order_key(x: torch.Tensor, largest: bool = True) -> torch.Tensor:
     return key if largest else ~key
 
 
-def topk_oracle(x, k, dim=-1, largest=True):
-    """Top-k by a stable sort of exact keys: best first, the smaller index first among ties."""
-    idx = order_key(x, largest).sort(dim=dim, descending=True, stable=True).indices.narrow(dim, 0, k)
-    return x.gather(dim, idx), idx
+def topk_oracle(x, k, dim=-1, largest=True, lengths=None):
+    """Top-k by a stable sort of exact keys: best first, the smaller index first among ties.
+    lengths (x [rows, n], dim -1): each row's valid prefix; positions past min(k, L) get
+    index -1 and value -inf (+inf for largest=False), as fastlapsum.topk pads."""
+    key = order_key(x, largest)
+    if lengths is not None:
+        invalid = torch.arange(x.shape[-1], device=x.device)[None, :] >= lengths[:, None]
+        key = key.masked_fill(invalid, torch.iinfo(torch.int64).min)
+    idx = key.sort(dim=dim, descending=True, stable=True).indices.narrow(dim, 0, k)
+    val = x.gather(dim, idx)
+    if lengths is not None:
+        pad = torch.arange(k, device=x.device)[None, :] >= lengths.clamp(max=x.shape[-1])[:, None]
+        idx = idx.masked_fill(pad, -1)
+        val = val.masked_fill(pad, -math.inf if largest else math.inf)
+    return val, idx
 
 
 def assert_exact_topk(x, k, values, indices, *, largest=True, lengths=None, sorted=False):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fastlapsum
-from conftest import gen, order_key
+from conftest import gen, topk_oracle
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 VOCAB = 152064
@@ -21,23 +21,6 @@ VOCAB = 152064
 
 def rows_for(device, rows):
     return rows if device == "cuda" else min(rows, 3)
-
-
-def oracle(x, k, largest, lengths=None):
-    """Sorted top-k by a stable sort of exact keys (positions past a row's length last),
-    then -1 / -+inf padding past min(k, L)."""
-    rows, n = x.shape
-    key = order_key(x, largest)
-    if lengths is not None:
-        invalid = torch.arange(n, device=x.device)[None, :] >= lengths[:, None]
-        key = key.masked_fill(invalid, torch.iinfo(torch.int64).min)
-    idx = key.sort(dim=1, descending=True, stable=True).indices[:, :k]
-    val = x.gather(1, idx)
-    if lengths is not None:
-        pad = torch.arange(k, device=x.device)[None, :] >= lengths.clamp(max=n)[:, None]
-        idx = idx.masked_fill(pad, -1)
-        val = val.masked_fill(pad, -math.inf if largest else math.inf)
-    return val, idx
 
 
 def check(x, k, *, largest=True, lengths=None, regime=None):
@@ -48,7 +31,7 @@ def check(x, k, *, largest=True, lengths=None, regime=None):
     if regime is not None and x.is_cuda:
         assert fastlapsum.topk_diagnostics(x, k) == regime, "the case no longer reaches the path it tests"
     rows, n = x.shape
-    vo, io = oracle(x, k, largest, lengths)
+    vo, io = topk_oracle(x, k, largest=largest, lengths=lengths)
     vs, is_ = fastlapsum.topk(x, k, largest=largest, sorted=True, lengths=lengths)
     assert torch.equal(is_, io), "sorted indices differ from the oracle"
     torch.testing.assert_close(vs, vo, rtol=0, atol=0, equal_nan=True)
@@ -190,7 +173,7 @@ def test_hard_mask_small_budgets(device, dtype):
     x, k = x.to(dtype).to(device), k.to(device)
     t = torch.ones(rows, dtype=torch.float64, device=device)
     for largest in (True, False):
-        order = order_key(x, largest).sort(dim=1, descending=True, stable=True).indices
+        order = topk_oracle(x, n, largest=largest)[1]  # every position, best first
         rank = torch.empty_like(order).scatter_(1, order, torch.arange(n, device=device).expand(rows, n))
         want = (rank < k[:, None]).to(dtype)
         got = fastlapsum.soft_topk(x, k, t, largest=largest, hard=True)
