@@ -65,6 +65,9 @@ def parse_args(argv=None):
     ap.add_argument("--peer-steps", type=int, default=None, help="steps of FMN and sigma-zero")
     ap.add_argument("--bb-steps", type=int, default=None, help="steps of Brendel-Bethge")
     ap.add_argument("--bb-workers", type=int, default=None, help="Brendel-Bethge worker processes")
+    ap.add_argument("--bb-time", type=float, default=None,
+                    help="seconds from the start until the Brendel-Bethge workers stop (default: the time budget); "
+                         "BB is collected last, so a longer deadline only extends the run's end")
     ap.add_argument("--pgd-etas", default="0.03,0.1,0.3,1.0", help="PGD-L0 step-size grid")
     ap.add_argument("--lr", type=float, default=0.3)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -244,7 +247,7 @@ def run_phases(args, res, clock, dev, log, procs):
     # ---- Brendel-Bethge workers: compile numba during training, attack once sigma-zero's
     # adversarials exist
     bb_dir = res["_bb_dir"] = tempfile.mkdtemp(prefix="l0_bb_")  # not in --out: keep it to results
-    bb_deadline = clock.wall0 + args.time_budget - 3
+    bb_deadline = clock.wall0 + max(args.bb_time or 0.0, args.time_budget) - 3
     if "fb_bb" in args.methods:
         if importlib.util.find_spec("numba") is None:
             res["errors"]["fb_bb"] = "needs numba (not installed)"
@@ -308,6 +311,8 @@ def run_phases(args, res, clock, dev, log, procs):
             log(f"    {name} failed or skipped: {e!r}")
         if name == "al_sigma0" and procs:  # always, so that the workers never wait in vain
             u8, ok = res["adv"].get((name, None), (None, torch.zeros(len(y), dtype=torch.bool)))
+            if u8 is not None:  # the workers run the model one image at a time, where a start on the
+                ok = ok & single_image_adversarial(model, u8, y)  # boundary can flip: skip those
             starts = [u8[i].float().div(255) if ok[i] else None for i in range(len(y))]
             peers.bb_give_starts(bb_dir, model, x, y, starts)
         res["phases"][name] = clock.now() - t
@@ -317,6 +322,16 @@ def run_phases(args, res, clock, dev, log, procs):
         plot_examples(res, os.path.join(args.out, "examples.png"))
     except Exception as e:
         res["errors"]["plot"] = repr(e)
+
+
+@torch.no_grad()
+def single_image_adversarial(model, u8, y):
+    """Per 8-bit image: misclassified when the model sees it alone (batch of one), as the BB
+    workers' foolbox model does; cuDNN picks other kernels by batch size, so a start at the
+    decision boundary can be adversarial in a batch and not alone (foolbox asserts on it)."""
+    dev = next(model.parameters()).device
+    return torch.tensor([bool(model(u8[i:i + 1].to(dev).float().div(255)).argmax(1).item() != int(y[i]))
+                         for i in range(len(y))])
 
 
 def fixed_phase(name, args, res, model, x, y, etas, cap, clock, t, dev, log):
