@@ -6,9 +6,10 @@
 # steps test, bench, bench_hard and timeline.
 #   device run:  bash benchmarks/gpu_check.sh     (STEPS="build test demo bench bench_hard"; carry
 #                [".whl", ".gsplat_ext"] when present: see below)
-# Knobs: STEPS (also user_shapes, eager, topk_long_rows, sanitize, profile, timeline, profile_topk, ncu, ncu_hard, ncu_source, token_pruning, gaussian_splatting, l0_attack), TEST_PATHS,
+# Knobs: STEPS (also user_shapes, eager, topk_long_rows, sanitize, profile, timeline, profile_topk, ncu, ncu_hard, ncu_source, token_pruning, gaussian_splatting, l0_attack, extra), TEST_PATHS,
 # NCU_KERNELS, NCU_SIZES, NCU_HARD_SHAPE, NCU_HARD_K, NCU_METRICS, NCU_EXTRA (e.g. --section SourceCounters),
-# NCU_SRC_KERNEL, NCU_SRC_SKIP, NCU_SRC_CMD (step ncu_source), BUDGET (seconds for the whole script).
+# NCU_SRC_KERNEL, NCU_SRC_SKIP, NCU_SRC_CMD (step ncu_source), EXTRA_CMD/EXTRA_TIMEOUT (step extra),
+# BUDGET (seconds for the whole script).
 # SLOW (0: skip slow tests), PYTEST_EXTRA (unquoted words only), BENCH_ARGS, BENCH_HARD_ARGS, and the examples' own gpu_run.sh (each writes its README's table).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -84,6 +85,8 @@ for step in $STEPS; do
     token_pruning) run token_pruning "${EXAMPLE_TIMEOUT:-420}" bash examples/token_pruning/gpu_run.sh "$L/token_pruning" ;;
     gaussian_splatting) run gaussian_splatting "${EXAMPLE_TIMEOUT:-420}" bash examples/gaussian_splatting/gpu_run.sh "$L/gaussian_splatting" ;;
     l0_attack) run l0_attack "${EXAMPLE_TIMEOUT:-420}" bash examples/l0_attack/gpu_run.sh "$L/l0_attack" ;;
+    extra)  # EXTRA_CMD (bash, run in the checkout; $L is the log folder): e.g. a same-call A/B under two env settings
+      L=$L PY=$PY run extra "${EXTRA_TIMEOUT:-200}" bash -c "${EXTRA_CMD:?extra needs EXTRA_CMD}" ;;
   esac
 done
 { grep -h "passed\|failed\|error" "$L"/tests.log 2>/dev/null | tail -3; grep -h -E "^(FAILED|ERROR) " "$L"/*.log 2>/dev/null | head -60; } > "$OUT/summary.txt"
