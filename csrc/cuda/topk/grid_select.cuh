@@ -11,19 +11,6 @@
 namespace fastlapsum {
 namespace {
 
-struct GState {
-  uint64_t prefix;
-  int64_t L, take;
-  int32_t ks;        // -1 until the select is decided
-  uint32_t need;
-  uint32_t trivial;  // 1: take == 0 or take == L; 2: NaN row (mask)
-  uint32_t sampled;
-  int64_t off, G, S;
-  uint32_t rstar, d1, rem, thr;
-  unsigned long long cand_cnt, out_cnt;
-  uint32_t use_cand;
-};
-
 enum Stage : int { kSampleA = 0, kSampleB = 1, kRadix0 = 2 };
 
 template <typename T, bool kMask>

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "plan_topk.h"  // GState
 #include "radix_select.cuh"
 
 namespace fastlapsum {

@@ -15,7 +15,7 @@
 // result is (prefix, ks): an element is selected iff (c >> ks) >= (prefix >> ks), which
 // holds for exactly `take` elements.
 //
-// Paths (chosen on the host by topk_regime_for, from static shapes only; everything
+// Paths (chosen on the host by plan_topk in plan_topk.h, from static shapes only; everything
 // data-dependent is decided on the device, so no host sync, fixed launch sequence,
 // graph-capturable):
 //
@@ -54,7 +54,7 @@
 //    hard_mask plans with K = its k_max (a bound on every row's k_r, from a number k), or
 //    with cap = 8192 when no bound is known.
 // 2. Grid path (g_* kernels), for few long rows (rows <= 64 and n >= 2^16, where its cost
-//    estimate beats the per-row kernel's, and hard_mask without k_max: use_grid_path): every row
+//    estimate beats the per-row kernel's, and hard_mask without k_max: topk_use_grid_path): every row
 //    gets `bpr` CTAs (blockIdx.x; the rows share one full wave of resident CTAs, where
 //    4 per SM made collect 1.33 waves) so a single row of 10^8 scores uses the whole GPU.
 //    Fixed sequence of launches: init, sample histogram a, scan, sample histogram b,
@@ -82,7 +82,8 @@
 //
 // Files, all compiled in this translation unit: warp_select.cuh (path 0), row_select.cuh
 // (path 1), grid_select.cuh (path 2), radix_select.cuh, row_pass.cuh and params.cuh (shared),
-// tuning.cuh (the measured constants). This file: the host's dispatch and the fp64 path.
+// tuning.cuh (the measured constants), plan_topk.h (the plan: regime and launch numbers). This
+// file: the launchers, which follow the plan, and the fp64 path.
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
@@ -102,6 +103,7 @@
 #include "../../common/tile_scan.cuh"
 #include "../../ops.h"
 #include "tuning.cuh"
+#include "plan_topk.h"
 #include "params.cuh"
 #include "row_select.cuh"
 #include "grid_select.cuh"
@@ -110,104 +112,108 @@
 namespace fastlapsum {
 namespace {
 
-// The per-row kernel's candidate buffer (entries) for budget K (hard_mask: its k_max, -1 when
-// unknown), and whether it runs as the 256-thread build (four CTAs an SM; a buffer of at most
-// kQuarterCap): topk on 16-bit scores (the only instantiations of that build) whose sampled
-// path fits that buffer.
-int64_t row_cap(bool mask, int64_t K) {
-  using Tu = TopkTuning;
-  const int64_t cap = mask && K < 0 ? Tu::kMaskRowCap
-                                    : ((Tu::kRowCapPerK * K + Tu::kRowCapRound - 1) / Tu::kRowCapRound) * Tu::kRowCapRound;
-  return std::max<int64_t>(Tu::kRowCapMin, std::min<int64_t>(cap, Tu::kRowCapMax));
-}
-template <typename T, bool kMask>
-constexpr bool kHasQuarterBuild = !kMask && sizeof(T) == 2;
-template <typename T, bool kMask>
-bool quarter_build(int64_t K) { return kHasQuarterBuild<T, kMask> && sample_fits(K, kQuarterCap); }
-
-// Few long rows (rows <= 64, n >= 2^16): the grid path or the per-row kernel, whichever a
-// cost estimate fitted to H200 timings (TopkTuningSm90, fp32 and fp16) puts lower. The grid
-// path: its launches plus a rate of scores a microsecond. The per-row kernel: its fixed
-// phases plus one CTA streaming its row at the rate its loads in flight allow (a round trip
-// each; its few CTAs leave DRAM idle, so each streams at that rate).
-// A budget too large for the per-row kernel's sampled path (it would stream the row up to
-// seven times) keeps the grid path; so does hard_mask without a bound on its budgets (a row
-// of any k may come).
-template <typename T, bool kMask>
-bool use_grid_path(int64_t rows, int64_t n, int64_t K) {
-  using Tu = TopkTuning;
-  if (rows > Tu::kGridMaxRows || n < Tu::kGridMinN) return false;
-  if ((kMask && K < 0) || !sample_fits(K, row_cap(kMask, K))) return true;
-  const double threads = quarter_build<T, kMask>(K) ? kBlock / 2 : kBlock;
-  const double in_flight = threads * row_unroll<T>() * 16.0;  // bytes
-  const double row_us = Tu::kRowFixedUs + Tu::kRowRoundTripUs * static_cast<double>(n) * sizeof(T) / in_flight;
-  const double grid_us = Tu::kGridFixedUs + static_cast<double>(rows) * static_cast<double>(n) / Tu::kGridScoresPerUs;
-  return grid_us < row_us;
-}
-
-// The mapping of a [rows, n] call with budget K (the mask: its k_max or -1), decided here only: the
-// dispatch below and the topk_regime op both call it. Tiny rows (MoE routers): a thread a row
-// for n <= kThreadMaxN, else the warp-row kernel up to kWarpMaxN, whatever the row count and
-// budget (a CTA of 256-512 threads on a row of at most 2048 scores idles most of them, and
-// its select's barriers and 2048-bin histograms cost more than a warp's register search);
-// then the grid path where use_grid_path picks it; else a CTA a row.
-template <typename T, bool kMask>
-TopkRegime topk_regime_for(int64_t rows, int64_t n, int64_t K) {
-  if (n <= TopkTuning::kThreadMaxN) return kTopkThreadRows;
-  if (n <= TopkTuning::kWarpMaxN) return kTopkWarpRows;
-  return use_grid_path<T, kMask>(rows, n, K) ? kTopkGrid : kTopkRowCta;
-}
-
 // The dtypes of the CUDA selectors (integer rows are routed by fastlapsum/functional.py).
 bool selector_dtype(at::ScalarType d) {
   return d == at::kDouble || d == at::kFloat || d == at::kHalf || d == at::kBFloat16;
 }
 
-// The regime for a selector_dtype (float64: the ATen sort path).
-TopkRegime topk_regime(int64_t rows, int64_t n, int64_t K, at::ScalarType dtype, bool mask) {
-  if (dtype == at::kDouble) return kTopkSort;
-  TopkRegime regime = kTopkRowCta;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fastlapsum_topk_regime", [&] {
-    if constexpr (!std::is_same_v<scalar_t, double>)
-      regime = mask ? topk_regime_for<scalar_t, true>(rows, n, K) : topk_regime_for<scalar_t, false>(rows, n, K);
-  });
-  return regime;
+// The grid path's collect CTAs resident on one SM (the kernel opted in to its staging buffer).
+template <typename T, bool kMask>
+int64_t grid_ctas_per_sm(int dev) {
+  set_max_dynamic_smem(g_collect<T, kMask>, kStageItems * 8, dev);
+  return resident_blocks(g_collect<T, kMask>, kBlock, kStageItems * 8, dev);
+}
+template <typename T>
+int64_t grid_ctas_per_sm(bool mask, int dev) {
+  return mask ? grid_ctas_per_sm<T, true>(dev) : grid_ctas_per_sm<T, false>(dev);
 }
 
-// A thread a row (ranks by pairwise compares), rows of at most kThreadMaxN scores.
+// The plan on this device: the grid path's wave is its collect CTAs resident on every SM (the
+// caller holds the device's guard).
+TopkPlan plan_topk_cuda(int64_t rows, int64_t n, int64_t K, at::ScalarType dtype, bool mask, bool sorted) {
+  const auto grid_wave = [&] {
+    const int dev = c10::cuda::current_device();
+    const int64_t per_sm = dtype == at::kHalf       ? grid_ctas_per_sm<at::Half>(mask, dev)
+                           : dtype == at::kBFloat16 ? grid_ctas_per_sm<at::BFloat16>(mask, dev)
+                                                    : grid_ctas_per_sm<float>(mask, dev);
+    return per_sm * sm_count();
+  };
+  return plan_topk(rows, n, K, dtype, mask, sorted, grid_wave);
+}
+
+// A thread a row (ranks by pairwise compares): the instance of the plan's row capacity.
 template <typename T, bool kMask>
-void launch_thread_rows(Params P, int64_t rows) {
-  constexpr int kT = TopkTuning::kThreadRowsPerCta;
-  TORCH_CHECK(P.n <= TopkTuning::kThreadMaxN && (rows + kT - 1) / kT <= 2147483647LL,
-              "fastlapsum.topk: shape out of range of the thread-row kernel");
+void launch_thread_rows(Params P, int64_t rows, const TopkPlan& plan) {
   P.rows = rows;
   const auto go = [&](auto kernel) {
-    launch_dependent(kernel, static_cast<unsigned>((rows + kT - 1) / kT), kT, 0, current_stream(), P);
+    launch_dependent(kernel, static_cast<unsigned>(plan.blocks), plan.threads, 0, current_stream(), P);
   };
-  if (P.n <= 8) return go(thread_select_kernel<T, kMask, 8>);
-  if (P.n <= 16) return go(thread_select_kernel<T, kMask, 16>);
+  if (plan.instance == 8) return go(thread_select_kernel<T, kMask, 8>);
+  if (plan.instance == 16) return go(thread_select_kernel<T, kMask, 16>);
+  TORCH_CHECK(plan.instance == TopkTuning::kThreadMaxN, "fastlapsum.topk: internal: no thread-row instance");
   go(thread_select_kernel<T, kMask, TopkTuning::kThreadMaxN>);
 }
 
-// The warp-row kernel, instantiated for kC = 1, 2, 4, ... chunks of 32 vectors a lane: the
-// smallest that covers the row.
+// The warp-row kernel: the instance of the plan's chunks of 32 vectors a lane.
 template <typename T, bool kMask>
-void launch_warp_rows(Params P, int64_t rows) {
-  constexpr int V = 16 / sizeof(T), kMaxC = TopkTuning::kWarpMaxItems / V, kRows = TopkTuning::kWarpRows;
-  const int64_t chunks = (P.n + 32 * V - 1) / (32 * V);
-  TORCH_CHECK(chunks <= kMaxC && (rows + kRows - 1) / kRows <= 2147483647LL,
-              "fastlapsum.topk: shape out of range of the warp-row kernel");
+void launch_warp_rows(Params P, int64_t rows, const TopkPlan& plan) {
+  constexpr int kMaxC = TopkTuning::kWarpMaxItems / (16 / sizeof(T));
   P.rows = rows;
   const auto go = [&](auto kernel) {
-    launch_dependent(kernel, static_cast<unsigned>((rows + kRows - 1) / kRows), kRows * 32, 0, current_stream(), P);
+    launch_dependent(kernel, static_cast<unsigned>(plan.blocks), plan.threads, 0, current_stream(), P);
   };
-  if (chunks <= 1) return go(warp_select_kernel<T, kMask, 1>);
-  if (chunks <= 2) return go(warp_select_kernel<T, kMask, 2>);
-  if (chunks <= 4) return go(warp_select_kernel<T, kMask, 4>);
+  if (plan.instance == 1) return go(warp_select_kernel<T, kMask, 1>);
+  if (plan.instance == 2) return go(warp_select_kernel<T, kMask, 2>);
+  if (plan.instance == 4) return go(warp_select_kernel<T, kMask, 4>);
   if constexpr (kMaxC > 8) {
-    if (chunks <= 8) return go(warp_select_kernel<T, kMask, 8>);
+    if (plan.instance == 8) return go(warp_select_kernel<T, kMask, 8>);
   }
+  TORCH_CHECK(plan.instance == kMaxC, "fastlapsum.topk: internal: no warp-row instance");
   go(warp_select_kernel<T, kMask, kMaxC>);
+}
+
+// The grid path's fixed sequence of launches over its workspace.
+template <typename T, bool kMask>
+void launch_grid(Params P, int64_t rows, const at::Tensor& x, const TopkPlan& plan) {
+  const cudaStream_t stream = current_stream();
+  set_max_dynamic_smem(g_collect<T, kMask>, plan.smem, x.get_device());
+  set_max_dynamic_smem(g_output<T, kMask>, plan.smem, x.get_device());
+  P.bpr = plan.blocks;
+  P.cap_g = plan.cap;
+  at::Tensor ws = at::empty({plan.ws_bytes}, x.options().dtype(at::kByte));
+  uint8_t* w = ws.mutable_data_ptr<uint8_t>();
+  P.st = reinterpret_cast<GState*>(w);
+  P.ghist = reinterpret_cast<uint32_t*>(w + plan.ws_state_bytes);
+  P.cand = reinterpret_cast<uint64_t*>(w + plan.ws_state_bytes + plan.ws_hist_bytes);
+  const dim3 grid(static_cast<unsigned>(plan.blocks), static_cast<unsigned>(rows));
+  const int threads = plan.threads;
+  launch_dependent(g_init<T, kMask>, rows, threads, 0, stream, P);
+  for (int stage = kSampleA; stage <= kSampleB; ++stage) {
+    launch_dependent(g_hist<T, kMask>, grid, threads, 0, stream, P, stage);
+    launch_dependent(g_scan<kMask>, rows, threads, 0, stream, P, stage);
+  }
+  launch_dependent(g_collect<T, kMask>, grid, threads, plan.smem, stream, P);
+  launch_dependent(g_decide, rows, threads, 0, stream, P);
+  for (int p = 0; p < 6; ++p) {
+    launch_dependent(g_hist<T, kMask>, grid, threads, 0, stream, P, kRadix0 + p);
+    launch_dependent(g_scan<kMask>, rows, threads, 0, stream, P, kRadix0 + p);
+  }
+  launch_dependent(g_output<T, kMask>, grid, threads, plan.smem, stream, P);
+}
+
+// A CTA a row: the plan's build (512 threads, or 256 for 16-bit scores) and candidate buffer.
+template <typename T, bool kMask>
+void launch_row_cta(Params P, int64_t rows, const at::Tensor& x, const TopkPlan& plan) {
+  P.cap = static_cast<int>(plan.cap);
+  const auto go = [&](auto kernel) {
+    set_max_dynamic_smem(kernel, plan.smem, x.get_device());
+    launch_dependent(kernel, static_cast<unsigned>(rows), plan.threads, plan.smem, current_stream(), P);
+  };
+  if constexpr (!kMask && sizeof(T) == 2) {
+    if (plan.threads == kBlock / 2) return go(row_select_kernel<T, kMask, kBlock / 2>);
+  }
+  TORCH_CHECK(plan.threads == kBlock, "fastlapsum.topk: internal: no row-CTA build");
+  go(row_select_kernel<T, kMask, kBlock>);
 }
 
 // Scores as a [rows, n] view with unit inner stride (row pitch kept).
@@ -219,66 +225,12 @@ at::Tensor rows_view(const at::Tensor& x) {
 }
 
 template <typename T, bool kMask>
-void launch(Params P, int64_t rows, const at::Tensor& x, TopkRegime regime) {
-  const cudaStream_t stream = current_stream();
-  if (rows == 0) return;
-  TORCH_CHECK((regime == topk_regime_for<T, kMask>(rows, P.n, P.K)), "fastlapsum.topk: internal: regime mismatch");
-  if (regime == kTopkThreadRows) return launch_thread_rows<T, kMask>(P, rows);
-  if (regime == kTopkWarpRows) return launch_warp_rows<T, kMask>(P, rows);
-  if (regime == kTopkGrid) {
-    const int sms = sm_count();  // x's device: the caller holds its guard
-    const int stage_bytes = kStageItems * 8;
-    set_max_dynamic_smem(g_collect<T, kMask>, stage_bytes, x.get_device());
-    set_max_dynamic_smem(g_output<T, kMask>, stage_bytes, x.get_device());
-    const int64_t wave = static_cast<int64_t>(resident_blocks(g_collect<T, kMask>, kBlock, stage_bytes, x.get_device())) * sms;
-    constexpr int V = 16 / sizeof(T);
-    const int64_t max_bpr = std::max<int64_t>(1, (P.n / V + int64_t(kBlock) * kUnroll - 1) / (int64_t(kBlock) * kUnroll));
-    P.bpr = std::min<int64_t>(max_bpr, std::max<int64_t>(1, wave / rows));
-    const int64_t cap_want = kMask && P.K < 0 ? P.n / 4 + TopkTuning::kGridCapSlack  // any budget may come
-                                              : P.K + P.K / 8 + TopkTuning::kGridCapSlack;
-    P.cap_g = std::max<int64_t>(1, std::min<int64_t>({P.n, cap_want, TopkTuning::kGridCapTotal / rows}));
-    const int64_t st_bytes = ((rows * int64_t(sizeof(GState)) + 255) / 256) * 256;
-    const int64_t h_bytes = rows * kBins * 4;
-    at::Tensor ws = at::empty({st_bytes + h_bytes + rows * P.cap_g * 8}, x.options().dtype(at::kByte));
-    uint8_t* w = ws.mutable_data_ptr<uint8_t>();
-    P.st = reinterpret_cast<GState*>(w);
-    P.ghist = reinterpret_cast<uint32_t*>(w + st_bytes);
-    P.cand = reinterpret_cast<uint64_t*>(w + st_bytes + h_bytes);
-    const dim3 grid(static_cast<unsigned>(P.bpr), static_cast<unsigned>(rows));
-    launch_dependent(g_init<T, kMask>, rows, kBlock, 0, stream, P);
-    for (int stage = kSampleA; stage <= kSampleB; ++stage) {
-      launch_dependent(g_hist<T, kMask>, grid, kBlock, 0, stream, P, stage);
-      launch_dependent(g_scan<kMask>, rows, kBlock, 0, stream, P, stage);
-    }
-    launch_dependent(g_collect<T, kMask>, grid, kBlock, stage_bytes, stream, P);
-    launch_dependent(g_decide, rows, kBlock, 0, stream, P);
-    for (int p = 0; p < 6; ++p) {
-      launch_dependent(g_hist<T, kMask>, grid, kBlock, 0, stream, P, kRadix0 + p);
-      launch_dependent(g_scan<kMask>, rows, kBlock, 0, stream, P, kRadix0 + p);
-    }
-    launch_dependent(g_output<T, kMask>, grid, kBlock, stage_bytes, stream, P);
-    return;
-  }
-  const int64_t cap = row_cap(kMask, P.K);
-  TORCH_CHECK(rows <= 2147483647LL, "fastlapsum.topk: too many rows for the CUDA kernel");
-  const auto launch_rows = [&](auto kernel, int threads, int64_t buffer) {
-    P.cap = static_cast<int>(buffer);
-    const int smem = static_cast<int>(buffer * 8);
-    set_max_dynamic_smem(kernel, smem, x.get_device());
-    launch_dependent(kernel, static_cast<unsigned>(rows), threads, smem, stream, P);
-  };
-  // 16-bit scores: 256-thread CTAs, four an SM (a candidate buffer of at most kQuarterCap, so
-  // that four fit), where the sampled path still fits that buffer. A 16-bit row is half the
-  // bytes of an fp32 one, so its fixed phases (length, sample, select, output) are a larger
-  // share of its time, and four CTAs an SM overlap them with streaming better than two
-  // (most at N = 128K, little by 512K); fp32 rows are slower so.
-  if constexpr (kHasQuarterBuild<T, kMask>) {
-    if (quarter_build<T, kMask>(P.K)) {
-      launch_rows(row_select_kernel<T, kMask, kBlock / 2>, kBlock / 2, std::min(cap, kQuarterCap));
-      return;
-    }
-  }
-  launch_rows(row_select_kernel<T, kMask, kBlock>, kBlock, cap);
+void launch(Params P, int64_t rows, const at::Tensor& x, const TopkPlan& plan) {
+  TORCH_CHECK(plan.launch && plan.K == P.K, "fastlapsum.topk: internal: a plan of another call");
+  if (plan.regime == kTopkThreadRows) return launch_thread_rows<T, kMask>(P, rows, plan);
+  if (plan.regime == kTopkWarpRows) return launch_warp_rows<T, kMask>(P, rows, plan);
+  if (plan.regime == kTopkGrid) return launch_grid<T, kMask>(P, rows, x, plan);
+  launch_row_cta<T, kMask>(P, rows, x, plan);
 }
 
 // fp64: exact, composed of ATen ops. Signed int64 keys with the order of the doubles
@@ -342,19 +294,14 @@ std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k, 
     len = lengths->to(at::kLong).contiguous();
   }
   TORCH_CHECK(selector_dtype(x_in.scalar_type()), "fastlapsum.topk: expected a floating-point x");
-  const TopkRegime regime = topk_regime(rows, n, k, x_in.scalar_type(), false);
-  if (regime == kTopkSort) {
-    auto res = topk_fp64(x_in.contiguous(), k, largest, len.defined() ? std::optional<at::Tensor>(len) : std::nullopt);
-    return res;
-  }
+  const TopkPlan plan = plan_topk_cuda(rows, n, k, x_in.scalar_type(), false, sorted);
+  if (plan.regime == kTopkSort)
+    return topk_fp64(x_in.contiguous(), k, largest, len.defined() ? std::optional<at::Tensor>(len) : std::nullopt);
   const at::Tensor x = rows_view(x_in);
   at::Tensor values = at::empty({rows, k}, x.options());
   at::Tensor indices = at::empty({rows, k}, x.options().dtype(at::kLong));
-  if (rows == 0 || k == 0) return {values, indices};
-  // Tiny rows with a small budget sort in the kernel: one launch.
-  const bool sort_in_kernel = sorted && k > 1 && (regime == kTopkThreadRows || regime == kTopkWarpRows) &&
-                              k <= TopkTuning::kWarpSortMaxK;
-  const bool want_comp = sorted && k > 1 && !sort_in_kernel;
+  if (!plan.launch) return {values, indices};
+  const bool want_comp = plan.sort_after;
   at::Tensor comp = want_comp ? at::empty({rows, k}, x.options().dtype(at::kLong)) : at::Tensor();
   Params P{};
   P.pitch = rows > 1 ? x.stride(0) : n;
@@ -364,12 +311,12 @@ std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k, 
   P.flip = largest ? 0u : 0xFFFFFFFFu;
   P.out_idx = indices.mutable_data_ptr<int64_t>();
   P.out_comp = want_comp ? comp.mutable_data_ptr<int64_t>() : nullptr;
-  P.warp_sort = sort_in_kernel ? 1 : 0;
+  P.warp_sort = plan.sort_in_kernel ? 1 : 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fastlapsum_topk_cuda", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {
       P.x = x.const_data_ptr<scalar_t>();
       P.out_val = values.mutable_data_ptr<scalar_t>();
-      launch<scalar_t, false>(P, rows, x, regime);
+      launch<scalar_t, false>(P, rows, x, plan);
     }
   });
   if (want_comp) {
@@ -386,16 +333,15 @@ at::Tensor hard_mask_cuda(const at::Tensor& x_in, const at::Tensor& k, const at:
   const int64_t rows = x_in.size(0), n = x_in.size(1);
   TORCH_CHECK(n < 4294967295LL, "fastlapsum.hard_mask: rows longer than 2^32 - 2 are not supported on CUDA");
   TORCH_CHECK(selector_dtype(x_in.scalar_type()), "fastlapsum.hard_mask: expected a floating-point x");
-  k_max = k_max < 0 || k_max > n ? -1 : k_max;  // a bound beyond the row bounds nothing
-  const TopkRegime regime = topk_regime(rows, n, k_max, x_in.scalar_type(), true);
-  if (regime == kTopkSort) return hard_mask_fp64(x_in.contiguous(), k, b, largest);
+  const TopkPlan plan = plan_topk_cuda(rows, n, k_max, x_in.scalar_type(), true, false);
+  if (plan.regime == kTopkSort) return hard_mask_fp64(x_in.contiguous(), k, b, largest);
   const at::Tensor x = rows_view(x_in);
   at::Tensor mask = at::empty({rows, n}, x.options());
-  if (mask.numel() == 0) return mask;
+  if (!plan.launch) return mask;
   Params P{};
   P.pitch = rows > 1 ? x.stride(0) : n;
   P.n = n;
-  P.K = k_max;  // the plan's bound; each row's take is its k_r (row_budget)
+  P.K = plan.K;  // the plan's bound (-1: none); each row's take is its k_r (row_budget)
   P.kvec = k.const_data_ptr<double>();
   P.nan_rows = b.defined() ? b.const_data_ptr<double>() : nullptr;
   P.flip = largest ? 0u : 0xFFFFFFFFu;
@@ -404,7 +350,7 @@ at::Tensor hard_mask_cuda(const at::Tensor& x_in, const at::Tensor& k, const at:
     if constexpr (!std::is_same_v<scalar_t, double>) {
       P.x = x.const_data_ptr<scalar_t>();
       P.out_mask = mask.mutable_data_ptr<scalar_t>();
-      launch<scalar_t, true>(P, rows, x, regime);
+      launch<scalar_t, true>(P, rows, x, plan);
     }
   });
   return mask;
@@ -417,7 +363,8 @@ int64_t topk_regime_cuda(const at::Tensor& x, int64_t k, bool hard_mask) {
   TORCH_CHECK(k >= (hard_mask ? -1 : 0) && k <= x.size(1), "fastlapsum.topk: k must be in [0, n]",
               hard_mask ? " (or -1: no bound on the mask's budgets)" : "");
   TORCH_CHECK(selector_dtype(x.scalar_type()), "fastlapsum.topk: expected a floating-point x");
-  return topk_regime(x.size(0), x.size(1), k, x.scalar_type(), hard_mask);
+  const c10::cuda::CUDAGuard guard(x.device());  // the grid path's plan asks the device
+  return plan_topk_cuda(x.size(0), x.size(1), k, x.scalar_type(), hard_mask, false).regime;
 }
 
 }  // namespace

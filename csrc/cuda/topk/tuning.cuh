@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "../../common/lapsum_math.h"  // FLS_HD
+
 namespace fastlapsum {
 namespace {
 
@@ -14,8 +16,9 @@ constexpr int kBins = 2048;
 constexpr int kUnroll = 2;     // grid kernels with staged compaction (tile <= kStageItems)
 // streaming passes: 16-byte loads in flight per thread (64 B per thread either way; a
 // 16-bit row at 4 would hold 32 floats per thread and spill)
+constexpr int row_unroll_for(int64_t elem_bytes) { return elem_bytes >= 4 ? 4 : 2; }
 template <typename T>
-constexpr int row_unroll() { return sizeof(T) >= 4 ? 4 : 2; }
+constexpr int row_unroll() { return row_unroll_for(sizeof(T)); }
 constexpr int64_t kQuarterCap = 5632;  // 256-thread row CTAs' candidate buffer (four an SM)
 constexpr int kStageItems = 8192;  // grid kernels: staged composites per CTA tile (64 KiB)
 constexpr int64_t kHeadPrefetchBytes = 64 * 1024;  // row kernel: the row's first two tiles
@@ -23,7 +26,7 @@ constexpr int kSampleUnroll = 8;  // row kernel: independent sample loads in fli
 
 // The row kernel's sampled path needs a candidate buffer of 2.5x the budget (its threshold
 // admits ~1.75x): else the row takes the exact fallback.
-__host__ __device__ inline bool sample_fits(double take, double cap) { return 2.5 * take <= cap; }
+FLS_HD bool sample_fits(double take, double cap) { return 2.5 * take <= cap; }
 
 // The row kernel's sample (row_pass.cuh): groups of 8 scores every 8 s scores. Its threshold
 // sits at an expected sample rank of ~kSampleRank, so that the admitted count (spread
@@ -39,7 +42,7 @@ constexpr double kSampleAdmitPerTake = 1.75, kSampleRank = 47.25;
 // budget: the buffer would overflow with it.
 constexpr double kSampleTieSkip = 1.5;
 
-// The host's dispatch (topk_cuda.cu), fitted to H200 timings of 1-64 rows x 64K-1M scores.
+// The host's plan (plan_topk.h), fitted to H200 timings of 1-64 rows x 64K-1M scores.
 struct TopkTuningSm90 {
   // The grid path is a candidate for rows <= kGridMaxRows of n >= kGridMinN scores only.
   static constexpr int kGridMaxRows = 64;
