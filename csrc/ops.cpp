@@ -104,6 +104,12 @@ TORCH_LIBRARY(fastlapsum, m) {
   // selected indices of rows of n scores, padding (-1) left out. Composite (PyTorch ops), so
   // itself differentiable; the C++ and the Python autograd Functions both call it.
   m.def("_topk_backward(Tensor grad, Tensor indices, int n) -> Tensor");
+  // The CUDA top-k plan (cuda/topk/plan_topk.h) for a device of sm_count SMs holding
+  // grid_ctas_per_sm grid-path collect CTAs each: host arithmetic, for table-driven tests on
+  // any build. No tensor argument, so one kernel for every backend.
+  m.def("_topk_cuda_plan(int rows, int n, int k, ScalarType dtype, bool hard_mask, bool sorted, int sm_count,"
+        " int grid_ctas_per_sm) -> int[]",
+        &fastlapsum::topk_cuda_plan_op);
 }
 
 namespace {

@@ -8,6 +8,7 @@
 #include <torch/types.h>
 
 #include <tuple>
+#include <vector>
 
 namespace fastlapsum {
 
@@ -37,6 +38,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_backward_cpu(
     bool largest);
 std::tuple<at::Tensor, at::Tensor> topk_cpu(const at::Tensor& x, int64_t k, bool largest,
                                             bool sorted, const std::optional<at::Tensor>& lengths);
+// The _topk_cuda_plan test op (hard_topk/topk_cpu.cpp): the CUDA top-k plan's host arithmetic.
+std::vector<int64_t> topk_cuda_plan_op(int64_t rows, int64_t n, int64_t k, at::ScalarType dtype, bool hard_mask,
+                                       bool sorted, int64_t sm_count, int64_t grid_ctas_per_sm);
 
 // ---- CUDA ------------------------------------------------------------------------
 #ifdef FASTLAPSUM_WITH_CUDA

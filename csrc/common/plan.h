@@ -8,7 +8,7 @@
 //
 // The regimes below name how a call is mapped onto its device. Each device's dispatch
 // computes its regime with one function (soft: soft_regime_cpu here, soft_regime_cuda in
-// cuda/soft/plan_soft.h; topk: topk_regime in cuda/topk/topk_cuda.cu), which the regime
+// cuda/soft/plan_soft.h; topk: plan_topk in cuda/topk/plan_topk.h (TopkPlan)), which the regime
 // ops (soft_regime, topk_regime) also return, so that the diagnostics cannot drift from the
 // dispatch. Codes index the name tables, which the extension exports to Python.
 #pragma once

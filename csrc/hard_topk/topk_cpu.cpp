@@ -77,6 +77,10 @@ int64_t topk_regime_cpu(const at::Tensor& x, int64_t k, bool hard_mask) {
   return kTopkCpu;
 }
 
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastlapsum, CPU, m) { m.impl("topk_regime", &topk_regime_cpu); }
+
 // The CUDA plan (plan_topk.h) of a call, for a device of sm_count SMs holding grid_ctas_per_sm
 // of the grid path's collect CTAs each, as [regime, launch, sort_in_kernel, sort_after,
 // instance, threads, blocks, cap, smem, workspace bytes]: host arithmetic, so that tests
@@ -90,18 +94,6 @@ std::vector<int64_t> topk_cuda_plan_op(int64_t rows, int64_t n, int64_t k, at::S
   const TopkPlan p = plan_topk(rows, n, k, dtype, hard_mask, sorted, [&] { return sm_count * grid_ctas_per_sm; });
   return {p.regime, p.launch, p.sort_in_kernel, p.sort_after, p.instance, p.threads,
           p.blocks, p.cap,    p.smem,   p.ws_bytes};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(fastlapsum, CPU, m) { m.impl("topk_regime", &topk_regime_cpu); }
-
-// A test op without tensor arguments (so, one kernel for every backend); its schema stays next
-// to its only kernel.
-TORCH_LIBRARY_FRAGMENT(fastlapsum, m) {
-  m.def("_topk_cuda_plan(int rows, int n, int k, ScalarType dtype, bool hard_mask, bool sorted, int sm_count,"
-        " int grid_ctas_per_sm) -> int[]",
-        &topk_cuda_plan_op);
 }
 
 }  // namespace fastlapsum
