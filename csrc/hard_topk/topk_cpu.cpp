@@ -91,7 +91,7 @@ std::vector<int64_t> topk_cuda_plan_op(int64_t rows, int64_t n, int64_t k, at::S
   TORCH_CHECK(hard_mask || (k >= 0 && k <= n), "fastlapsum.topk: k must be in [0, n]");
   TORCH_CHECK(sm_count >= 1 && grid_ctas_per_sm >= 1,
               "fastlapsum._topk_cuda_plan: sm_count and grid_ctas_per_sm must be >= 1");
-  const TopkPlan p = plan_topk(rows, n, k, dtype, hard_mask, sorted, [&] { return sm_count * grid_ctas_per_sm; });
+  const TopkPlan p = plan_topk(rows, n, k, dtype, hard_mask, sorted, sm_count, [&] { return sm_count * grid_ctas_per_sm; });
   return {p.regime, p.launch, p.sort_in_kernel, p.sort_after, p.instance, p.threads,
           p.blocks, p.cap,    p.smem,   p.ws_bytes};
 }

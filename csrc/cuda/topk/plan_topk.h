@@ -64,9 +64,12 @@ inline int64_t topk_row_cap(bool mask, int64_t K) {
 
 // Whether the per-row kernel runs as the 256-thread build (four CTAs an SM; a buffer of at most
 // kQuarterCap): topk on 16-bit scores (the only instantiations of that build) whose sampled
-// path fits that buffer.
-inline bool topk_quarter_build(int64_t elem_bytes, bool mask, int64_t K) {
-  return !mask && elem_bytes == 2 && sample_fits(static_cast<double>(K), static_cast<double>(kQuarterCap));
+// path fits that buffer, in batches of more rows than the 512-thread build runs in one wave
+// (kQuarterMinRowsPerSm an SM: with fewer, a row streams at its CTA's loads in flight, which
+// the 256-thread build halves).
+inline bool topk_quarter_build(int64_t elem_bytes, bool mask, int64_t K, int64_t rows, int64_t sms) {
+  return !mask && elem_bytes == 2 && sample_fits(static_cast<double>(K), static_cast<double>(kQuarterCap)) &&
+         rows > TopkTuning::kQuarterMinRowsPerSm * sms;
 }
 
 // Few long rows (rows <= 64, n >= 2^16): the grid path or the per-row kernel, whichever a
@@ -81,7 +84,11 @@ inline bool topk_use_grid_path(int64_t rows, int64_t n, int64_t K, int64_t elem_
   using Tu = TopkTuning;
   if (rows > Tu::kGridMaxRows || n < Tu::kGridMinN) return false;
   if ((mask && K < 0) || !sample_fits(static_cast<double>(K), static_cast<double>(topk_row_cap(mask, K)))) return true;
-  const double threads = topk_quarter_build(elem_bytes, mask, K) ? kBlock / 2 : kBlock;
+  // The row kernel's rate as fitted: 16-bit scores with the 256-thread build's loads in flight.
+  // Rows this few run the 512-thread build (topk_quarter_build), which streams faster, so the
+  // estimate errs only towards the grid path, where it was measured to win.
+  const bool fitted_quarter = !mask && elem_bytes == 2 && sample_fits(static_cast<double>(K), static_cast<double>(kQuarterCap));
+  const double threads = fitted_quarter ? kBlock / 2 : kBlock;
   const double in_flight = threads * row_unroll_for(elem_bytes) * 16.0;  // bytes
   const double row_us = Tu::kRowFixedUs + Tu::kRowRoundTripUs * static_cast<double>(n) * elem_bytes / in_flight;
   const double grid_us = Tu::kGridFixedUs + static_cast<double>(rows) * static_cast<double>(n) / Tu::kGridScoresPerUs;
@@ -100,11 +107,11 @@ inline TopkRegime topk_regime_for(int64_t rows, int64_t n, int64_t K, at::Scalar
   return topk_use_grid_path(rows, n, K, c10::elementSize(dtype), mask) ? kTopkGrid : kTopkRowCta;
 }
 
-// The plan of a [rows, n] call: topk (K = k, sorted) or hard_mask (mask, K = its k_max or -1).
-// grid_wave() gives the grid path's collect CTAs resident on the whole GPU (asked only when that
+// The plan of a [rows, n] call: topk (K = k, sorted) or hard_mask (mask, K = its k_max or -1)
+// on a device of sms SMs. grid_wave() gives the grid path's collect CTAs resident on the whole GPU (asked only when that
 // path launches).
 template <typename GridWave>
-TopkPlan plan_topk(int64_t rows, int64_t n, int64_t K, at::ScalarType dtype, bool mask, bool sorted,
+TopkPlan plan_topk(int64_t rows, int64_t n, int64_t K, at::ScalarType dtype, bool mask, bool sorted, int64_t sms,
                    const GridWave& grid_wave) {
   using Tu = TopkTuning;
   TORCH_CHECK(dtype == at::kDouble || dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
@@ -152,13 +159,14 @@ TopkPlan plan_topk(int64_t rows, int64_t n, int64_t K, at::ScalarType dtype, boo
     p.ws_bytes = p.ws_state_bytes + p.ws_hist_bytes + rows * p.cap * 8;
   } else {
     // A CTA a row. 16-bit scores: 256-thread CTAs, four an SM (a candidate buffer of at most
-    // kQuarterCap, so that four fit), where the sampled path still fits that buffer. A 16-bit
+    // kQuarterCap, so that four fit), where the sampled path still fits that buffer and the
+    // rows fill more than a wave of 512-thread CTAs. A 16-bit
     // row is half the bytes of an fp32 one, so its fixed phases (length, sample, select,
     // output) are a larger share of its time, and four CTAs an SM overlap them with streaming
     // better than two (most at N = 128K, little by 512K); fp32 rows are slower so.
     TORCH_CHECK(rows <= kMaxGrid, "fastlapsum.topk: too many rows for the CUDA kernel");
     const int64_t cap = topk_row_cap(mask, K);
-    const bool quarter = topk_quarter_build(elem, mask, K);
+    const bool quarter = topk_quarter_build(elem, mask, K, rows, sms);
     p.threads = quarter ? kBlock / 2 : kBlock;
     p.instance = p.threads;
     p.cap = quarter ? std::min(cap, kQuarterCap) : cap;

@@ -115,18 +115,8 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
 }
 
 // The fixed-stride sample: groups of 8 contiguous scores (one 32 B sector) every 8 s
-// scores, the first at a row-dependent offset (a multiple of 8 below 8 s).
-// The row kernel's s (tuning.cuh): the sparser of the budget's and the buffer's strides.
-__device__ __forceinline__ int64_t row_sample_stride(int64_t take, int64_t cap) {
-  const int64_t a = take / kSampleTakePerStride, b = cap / kSampleCapPerStride, s = a > b ? a : b;
-  return s < 1 ? 1 : (s > kSampleMaxStride ? kSampleMaxStride : s);
-}
-// The count the row kernel's threshold admits in expectation for stride s: 1.75 x take, or
-// kSampleRank x s where the buffer set a sparser stride than the budget's.
-__device__ __forceinline__ double sample_admit(int64_t take, int64_t s) {
-  const double a = kSampleAdmitPerTake * static_cast<double>(take), b = kSampleRank * static_cast<double>(s);
-  return a > b ? a : b;
-}
+// scores, the first at a row-dependent offset (a multiple of 8 below 8 s). The row kernel's
+// s and expected admitted count: row_sample_stride and sample_admit (tuning.cuh).
 __device__ __forceinline__ int64_t sample_offset(int64_t r, int64_t s) {
   return static_cast<int64_t>(mix32(static_cast<uint32_t>(r) * 0x9E3779B9u + 0x7F4A7C15u) % static_cast<uint32_t>(s)) * 8;
 }

@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kT, 1024 / kT) row_select_kernel(Params P) {
       const int64_t G = 8 * s;  // L > cap >= 5632 > 512 >= G
       const int64_t off = sample_offset(r, s);
       const int64_t S = ((L - off - 8) / G + 1) * 8;
-      double rs = ceil(sample_admit(take, s) * static_cast<double>(S) / static_cast<double>(L));
+      double rs = ceil(sample_admit(take, cap, s) * static_cast<double>(S) / static_cast<double>(L));
       rs = rs < 1.0 ? 1.0 : (rs > static_cast<double>(S) ? static_cast<double>(S) : rs);
       const uint32_t rstar = static_cast<uint32_t>(rs);
       // The first pass keeps the sample's keys in the (still empty) candidate buffer when

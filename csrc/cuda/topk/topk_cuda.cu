@@ -26,7 +26,8 @@
 //    Rows of n <= 32: a thread a row (thread_select_kernel, ranks by pairwise compares,
 //    output sorted). hard_mask too.
 // 1. Per-row kernel (row_select_kernel, one 512-thread CTA per row, two an SM; for 16-bit
-//    scores with 2.5*K <= 5632, 256 threads, four an SM), used unless path 0 or the grid path
+//    scores with 2.5*K <= 5632 in batches of more than two rows an SM, 256 threads, four an
+//    SM), used unless path 0 or the grid path
 //    below is chosen. Per row: L = valid length (lengths read on the device,
 //    clamped to [0, n]), take = min(K, L).
 //    - take == 0 or take == L: write all valid indices directly (+ -1 padding).
@@ -35,11 +36,13 @@
 //    - else if 2.5*take <= cap: sampled path (the sample's first loads go out with the
 //      length's, the row's head is prefetched into L2). Fixed-stride view: groups of 8 contiguous
 //      scores (one 32 B sector) every 8*s scores, s = clamp(max(take/27, cap/118), 1, 64),
-//      with a row-dependent offset; two 11-bit histogram passes over the sample give a 22-bit
-//      key threshold T at sample rank ceil(a*S/L), a = max(1.75*take, 47.25*s) (the count
-//      it admits: sample rank ~47; small budgets admit ~cap/2.5 from a sparser sample, as
-//      the sample is a phase of its own; a bin of ties that would overflow the buffer is
-//      skipped where the samples above it project to take). One fused full-row pass
+//      with a row-dependent offset, denser where the threshold's rank must be higher (tuning.cuh:
+//      row_sample_stride); two 11-bit histogram passes over the sample give a 22-bit key
+//      threshold T at sample rank ceil(a*S/L), a = max(sqrt(take*cap), 47.25*s) (the count it
+//      admits: the geometric centre of [take, cap], at a rank where either tail is <~1e-7 a
+//      row; small budgets admit ~cap/2.5 from a sparser sample, as the sample is a phase of
+//      its own; a bin of ties that would overflow the buffer is skipped where the samples
+//      above it project to take). One fused full-row pass
 //      (16-byte vector loads) appends every score with key >= T to the smem buffer and
 //      builds the first-digit histogram of the admitted keys. If take <= count <= cap
 //      the exact select runs over the smem candidates only.
@@ -138,7 +141,7 @@ TopkPlan plan_topk_cuda(int64_t rows, int64_t n, int64_t K, at::ScalarType dtype
                                                     : grid_ctas_per_sm<float>(mask, dev);
     return per_sm * sm_count();
   };
-  return plan_topk(rows, n, K, dtype, mask, sorted, grid_wave);
+  return plan_topk(rows, n, K, dtype, mask, sorted, sm_count(), grid_wave);
 }
 
 // A thread a row (ranks by pairwise compares): the instance of the plan's row capacity.

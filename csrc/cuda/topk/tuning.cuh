@@ -2,6 +2,7 @@
 // buffers, and the numbers of the host's dispatch between the per-row kernel and the grid path.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "../../common/lapsum_math.h"  // FLS_HD
@@ -25,18 +26,40 @@ constexpr int64_t kHeadPrefetchBytes = 64 * 1024;  // row kernel: the row's firs
 constexpr int kSampleUnroll = 8;  // row kernel: independent sample loads in flight per thread
 
 // The row kernel's sampled path needs a candidate buffer of 2.5x the budget (its threshold
-// admits ~1.75x): else the row takes the exact fallback.
+// admits ~1.6-2x, the geometric centre: below): else the row takes the exact fallback.
 FLS_HD bool sample_fits(double take, double cap) { return 2.5 * take <= cap; }
 
-// The row kernel's sample (row_pass.cuh): groups of 8 scores every 8 s scores. Its threshold
-// sits at an expected sample rank of ~kSampleRank, so that the admitted count (spread
-// ~1/sqrt(47)) stays inside the buffer's headroom: it admits kSampleAdmitPerTake x the budget
-// at s = take / kSampleTakePerStride (1.75 x 27 = kSampleRank) or, where the buffer is much
-// larger than the budget (small budgets, kRowCapMin), ~cap / 2.5 at s = cap /
-// kSampleCapPerStride (kSampleRank x s <= cap / 2.5): a sample that many times sparser, as
-// the sample is a phase of its own before the row's one pass.
+// The row kernel's sample (row_pass.cuh): groups of 8 scores every 8 s scores, s =
+// clamp(max(take / kSampleTakePerStride, cap / kSampleCapPerStride), 1, kSampleMaxStride),
+// the sparser of the budget's and the buffer's strides (small budgets on long rows: a sample
+// as sparse as for K = 2048, since the sample is a phase of its own before the row's one
+// pass). Its threshold admits A scores in expectation at sample rank A / s, and the admitted
+// count spreads as Gamma(A/s) / (A/s) x A: a row whose count lands below take or above cap
+// takes the exact fallback, which streams the row up to seven times (16-bit rows, whose
+// k-th score has ~100 ties, need all six digits), and one such row is the batch's tail. So
+// A = max(sqrt(take x cap), kSampleRank x s): the geometric centre of [take, cap], or ~cap /
+// 2.5 for small budgets; and where A sits at the centre, s is dense enough for a rank of
+// (kSampleTailSigmas / m)^2, m = ln(cap / take) / 2, so that either tail is <~1e-7 a row
+// (1.75 x take at rank ~50 would leave ~1e-4 a row on either side).
 constexpr int64_t kSampleTakePerStride = 27, kSampleCapPerStride = 118, kSampleMaxStride = 64;
-constexpr double kSampleAdmitPerTake = 1.75, kSampleRank = 47.25;
+constexpr double kSampleRank = 47.25, kSampleTailSigmas = 6.0;
+FLS_HD double sample_admit(int64_t take, int64_t cap, int64_t s) {
+  const double a = sqrt(static_cast<double>(take) * static_cast<double>(cap)), b = kSampleRank * static_cast<double>(s);
+  return a > b ? a : b;
+}
+FLS_HD int64_t row_sample_stride(int64_t take, int64_t cap) {
+  const int64_t a = take / kSampleTakePerStride, b = cap / kSampleCapPerStride;
+  int64_t s = a > b ? a : b;
+  s = s < 1 ? 1 : (s > kSampleMaxStride ? kSampleMaxStride : s);
+  const double centre = sqrt(static_cast<double>(take) * static_cast<double>(cap));
+  if (take > 0 && cap > take && kSampleRank * static_cast<double>(s) < centre) {
+    const double m = 0.5 * log(static_cast<double>(cap) / static_cast<double>(take));
+    const double rank = (kSampleTailSigmas / m) * (kSampleTailSigmas / m);
+    const int64_t dense = static_cast<int64_t>(centre / rank);
+    s = dense < s ? (dense < 1 ? 1 : dense) : s;
+  }
+  return s;
+}
 // A threshold bin whose samples project to more than kSampleTieSkip x the buffer (a score
 // many tie at) is left out of the admission where the samples above it project to the
 // budget: the buffer would overflow with it.
@@ -58,6 +81,11 @@ struct TopkTuningSm90 {
   // histogram pass reads shared memory, not the row.
   static constexpr int64_t kRowCapPerK = 4, kRowCapRound = 256, kRowCapMin = 8192, kRowCapMax = 24576;
   static constexpr int64_t kMaskRowCap = 8192;
+  // 16-bit rows take the 256-thread build (kQuarterCap) only for more than
+  // kQuarterMinRowsPerSm rows an SM, i.e. where the 512-thread build needs a second wave:
+  // with fewer, each SM runs as many 512-thread CTAs as 256-thread ones, and a row streams
+  // at its CTA's loads in flight, which the 256-thread build halves.
+  static constexpr int64_t kQuarterMinRowsPerSm = 2;
   // The grid path's candidate buffer per row: the budget + 1/8 (mask: n/4) + kGridCapSlack,
   // at most kGridCapTotal entries over all rows.
   static constexpr int64_t kGridCapSlack = 65536, kGridCapTotal = int64_t(1) << 27;
