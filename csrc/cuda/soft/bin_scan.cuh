@@ -1,7 +1,7 @@
 // The scan after a level (scan_row): folds the level's partials, checks the bracket's
 // certificate on the first binned level, and finds the gap or the bin that holds the root. It
-// runs in its own launch (scan_kernel) or in the level's last block of the row (level_kernel's
-// fused instance); both at kScanThreads = kLevelThreads threads, so that both sum in one order.
+// runs in its own launch (scan_kernel) or in a level block of the row once all are done
+// (level_kernel's fused instance); both at kScanThreads = kLevelThreads threads, so that both sum in one order.
 #pragma once
 
 #include <cub/block/block_reduce.cuh>
@@ -83,14 +83,15 @@ struct ScanStorage {
   int inside, owner;
 };
 
-// The scan of row r (state st, still refining) over its bins h and its level's `chunks`
-// partials; writes the row's next state and zeroes the bins for the next level. Every thread
-// of the block calls it.
+// The scan of row r (still refining) over its bins h and its level's `chunks` partials;
+// writes the row's next state and zeroes the bins for the next level. Every thread of the
+// block calls it. Not inlined, and it reads the row's state itself: the level kernel's tile
+// loop spills more with either the scan inlined or the state kept live across the loop.
 template <typename scalar_t, int kThreads>
-__device__ __noinline__ void scan_row(ScanStorage<kThreads>& sm, RowState st, int64_t r, RowState* __restrict__ state,
-                         BinSums* __restrict__ h, const LevelPartial* __restrict__ partial, int chunks,
-                         const double* __restrict__ k_in, double* __restrict__ b_out, double* __restrict__ edge_out,
-                         int64_t* __restrict__ diag, int64_t n, double sign) {
+__device__ __noinline__ void scan_row(ScanStorage<kThreads>& sm, int64_t r, RowState* __restrict__ state,
+                                      BinSums* __restrict__ h, const LevelPartial* __restrict__ partial, int chunks,
+                                      const double* __restrict__ k_in, double* __restrict__ b_out,
+                                      double* __restrict__ edge_out, int64_t* __restrict__ diag, int64_t n, double sign) {
   using KT = KeyTraits<scalar_t>;
   using Key = typename KT::Key;
   using AtomScan = cub::BlockScan<Atom, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
@@ -98,6 +99,7 @@ __device__ __noinline__ void scan_row(ScanStorage<kThreads>& sm, RowState st, in
   using AboveScan = cub::BlockScan<FlatAbove, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   using MinIndex = cub::BlockReduce<int, kThreads>;
   constexpr int kBinsPer = kBins / kThreads;  // consecutive bins per thread
+  RowState st = state[r];
   const LevelPartial total = fold_partials<kThreads>(partial, chunks, sm.tmp.fold, sm.total);
   const double t = st.t;
   const uint64_t lo = st.lo_key, hi = st.hi_key;
@@ -326,8 +328,8 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
             int chunks, const double* __restrict__ k_in, double* __restrict__ b_out, double* __restrict__ edge_out,
             int64_t* __restrict__ diag, int64_t rows, int64_t n, double sign, bool preread) {
   __shared__ ScanStorage<kScanThreads> sm;
-  for_each_row_cta(state, rows, preread, past_refine, refining, [&](int64_t r, const RowState& st) {
-    scan_row<scalar_t, kScanThreads>(sm, st, r, state, hist + r * kBins, partial + r * chunks, chunks, k_in, b_out,
+  for_each_row_cta(state, rows, preread, past_refine, refining, [&](int64_t r) {
+    scan_row<scalar_t, kScanThreads>(sm, r, state, hist + r * kBins, partial + r * chunks, chunks, k_in, b_out,
                                      edge_out, diag, n, sign);
   });
 }

@@ -29,6 +29,30 @@ __device__ inline bool last_arrival(unsigned* counter, unsigned target, int& s_l
   return s_last != 0;
 }
 
+// The same in two steps, for a kernel that runs the next phase after its row loop (a call
+// inside the level kernel's row loop makes its tile loop spill): arrive() after the block's
+// writes for the row, and later, after all its arrivals, claim() in every thread: true in the
+// one block that claims the row once all `target` blocks have arrived (then the counter is 0
+// again). The last block to arrive claims it, unless a block of the row that finished earlier
+// comes to its claim after that arrival and takes it first.
+__device__ inline void arrive(unsigned* counter) {
+  __syncthreads();  // every thread's writes before thread 0's fence
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1u);
+  }
+}
+__device__ inline bool claim(unsigned* counter, unsigned target, int& s_claim) {
+  __syncthreads();  // s_claim's last readers are done
+  if (threadIdx.x == 0) {
+    const bool claimed = atomicCAS(counter, target, 0u) == target;
+    if (claimed) __threadfence();  // as last_arrival's
+    s_claim = claimed;
+  }
+  __syncthreads();
+  return s_claim != 0;
+}
+
 // A load of a value other blocks of this launch wrote, from L2: never the read-only path that
 // const __restrict__ may select (not coherent within a launch), nor a stale L1 line.
 template <typename T>

@@ -16,7 +16,7 @@ constexpr int kLevelThreads = 512;
 // 16-byte vectors per thread per tile of the row pass, their loads issued together and kept
 // raw until used (converted to fp64 up front they would take ~126 registers: one block per SM).
 constexpr int kLevelUnroll = 4;
-// The scan and the solve run in their own launch or in the last block of the launch before
+// The scan and the solve run in their own launch or in a block of the launch before
 // (the fused tail, see threshold_cuda.cu): at the level / sides block's size in both, so that
 // their fixed-order sums are the same either way (256 threads is no faster).
 constexpr int kScanThreads = kLevelThreads;

@@ -13,7 +13,7 @@
 //  sorted   rows up to 2^21 scores, after the gathering level: one CTA per row sorts a middle
 //           set that fits it and solves the row (the short-row solver's sort and scan, with
 //           the tails), certifying the bracket, so that the launches after it skip the row.
-//  scan     one CTA per row (or the level's last block of it), after every level but a
+//  scan     one CTA per row (or one of the level's blocks of it), after every level but a
 //           gathering one: folds the tails; on the first binned level checks the certificate
 //           Psi(a_R) <= k <= Psi(a_L) (a failure, or a middle set too big for its slices,
 //           sends the row to the radix fallback over the whole row); then the closed-form
@@ -26,9 +26,9 @@
 // Bins are summed with float atomics: they only locate the root. Every number the root is
 // computed from is reduced in a fixed order, so the answer is the same on every run.
 //
-// The fused tail (LongRowsPlan::fused_tail, the default): each scan runs in the last block of
-// its row to finish the level before it, and the solve in the sides' last block
-// (last_block.cuh), so the sequence is fill, [propose], level 0, [sorted], levels 1.., sides:
+// The fused tail (LongRowsPlan::fused_tail, the default): each scan runs in a block of the
+// level before it once all of the row's blocks are done, and the solve in the sides' last
+// block of the row (last_block.cuh), so the sequence is fill, [propose], level 0, [sorted], levels 1.., sides:
 // 2 + levels (+ propose, + sorted) launches instead of a scan after each binning level and a
 // solve more. Same bits either way (the same fold, at the same block size).
 //
@@ -111,7 +111,7 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     const auto bytes = [&](int64_t count) { return at::empty({count}, x.options().dtype(at::kByte)); };
     constexpr int kDigits = digits_for(KeyTraits<scalar_t>::kBits);
     // One zeroed buffer (one fill): the bins, propose's first-digit counts and barrier counters,
-    // then the fused tail's arrival counters (a row's, put back to zero by its last block).
+    // then the fused tail's arrival counters (a row's, put back to zero by the block that runs the row).
     // The fill is an ordinary launch before propose (or the gathering pass that proposes for
     // itself): level 0 relies on it (it reads x before its wait, see level_kernel).
     const int64_t hist_bytes = rows * kBins * int64_t(sizeof(BinSums));
@@ -150,7 +150,7 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     const bool preread = plan.preread;
     for (int level = 0; level < plan.levels; ++level) {
       const bool gathering = level == 0 && !sort;  // no scan follows it
-      // fused: the level's last block of each row scans the row, no scan launch
+      // fused: a level block of each row scans it once the row's blocks are done, no scan launch
       launch_dependent(fused && !gathering ? level_kernel<scalar_t, true> : level_kernel<scalar_t, false>, grid,
                        kLevelThreads, 0, stream, xp, st, mp, cp, cap, hs, lp, k.const_data_ptr<double>(),
                        t.const_data_ptr<double>(), first_hist, later, arrivals, bp, ep, dp, rows, n, sign, level,
