@@ -499,3 +499,30 @@ def test_fused_tail_launches(monkeypatch):
     assert kernels(False, "bracket") == {"level": levels, "scan": levels - 1, "sides": 1, "solve": 1}
     assert kernels(True, "sort") == {"level": levels, "scan": 0, "sides": 1, "solve": 0}
     assert kernels(False, "sort") == {"level": levels, "scan": levels, "sides": 1, "solve": 1}
+
+
+@pytest.mark.parametrize("method", ["bracket", "sort"])
+def test_fused_tail_blocks_of_several_rows(monkeypatch, method):
+    """More rows than a grid has block rows (65535): a block takes rows r and r + 65535,
+    arrives for each and claims each scan after its row loop. Constant rows (the bracket's
+    fallback) and NaN rows among them."""
+    rows, n = 65537, 4097
+    x = torch.randn(rows, n, device="cuda", generator=torch.Generator("cuda").manual_seed(96))
+    x[::3] = 0.25
+    x[1::7, 5] = math.nan
+    k = torch.linspace(1.5, n - 1.5, rows, dtype=F64, device="cuda")
+    t = torch.full((rows,), 0.5, dtype=F64, device="cuda")
+    out = []
+    for fused in (False, True):
+        monkeypatch.setenv("FASTLAPSUM_FUSED_TAIL", "1" if fused else "0")
+        out.append(ops.lapsum_threshold(x, k, t, True, METHOD[method]))
+    for name, want, got in zip(("b", "edge", "diag"), *out):
+        assert torch.equal(bits(got), bits(want)), name
+    b = out[1][0]
+    nan_row = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    nan_row[1::7] = True
+    assert b[nan_row].isnan().all() and b[~nan_row].isfinite().all()
+    # against the CPU op
+    tail = [65532, 65534, 65536]  # constant, Gaussian, Gaussian (the last one a block's second row)
+    bc = fastlapsum.lapsum_threshold(x[tail].cpu(), k[tail].cpu(), t[tail].cpu())
+    assert ((b[tail].cpu() - bc).abs() <= 1e-6 * t[tail].cpu() + 4 * ulp_above(bc)).all(), (b[tail], bc)
