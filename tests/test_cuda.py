@@ -356,3 +356,175 @@ def test_bracket_sorted_middle_set(dtype, largest):
         assert 4096 < middle[0] and 2048 < middle[5] <= 4096, middle
     p = fastlapsum.soft_topk(xc, k, t, largest=largest, method="bracket")
     assert (budget_error(p, k) <= BUDGET_TOL[dtype]).all()
+
+
+# ---- the fused tail: each scan and the solve in the last block of the launch before ------
+# (threshold_cuda.cu; FASTLAPSUM_FUSED_TAIL=0 launches them on their own). Both sequences
+# fold every sum in one fixed order: their outputs are the same bits.
+
+METHOD = {"sort": 1, "bracket": 2}
+
+
+def fused_tail_rows(rows, n, seed):
+    """float64 [rows, n] with budgets and temperatures, cycling through: a Gaussian row (the
+    bracket certifies), ties, a constant row (the bracket falls back to the radix levels),
+    +-inf, a NaN (settled at the first scan), |b| >> t, and a uniform row at t = 30 (a middle
+    set too big for the on-chip sort: the binning levels)."""
+    g = gen(seed)
+    kinds = [
+        lambda: torch.randn(n, generator=g, dtype=F64),
+        lambda: torch.randint(0, 5, (n,), generator=g).double(),
+        lambda: torch.full((n,), 0.25, dtype=F64),
+        lambda: torch.randn(n, generator=g, dtype=F64).index_fill_(0, torch.tensor([3, n // 2]), math.inf)
+        .index_fill_(0, torch.tensor([n // 3]), -math.inf),
+        lambda: torch.randn(n, generator=g, dtype=F64).index_fill_(0, torch.tensor([n // 4]), math.nan),
+        lambda: 1e4 + 1e-2 * torch.randn(n, generator=g, dtype=F64),
+        lambda: torch.rand(n, generator=g, dtype=F64),
+    ]
+    # the constant row's k near n/2: the GPU bracket then falls back (see
+    # test_threshold_solvers.test_constant_row_falls_back_to_radix)
+    ks = [n / 16, n / 2 + 0.25, n / 2 + 0.37, 100.0, n / 16, 1000.5, n / 2]
+    ts = [1.0, 0.5, 0.3, 0.7, 1.0, 1e-2, 30.0]
+    x = torch.stack([kinds[r % len(kinds)]() for r in range(rows)])
+    k = torch.tensor([ks[r % len(ks)] for r in range(rows)], dtype=F64)
+    t = torch.tensor([ts[r % len(ts)] for r in range(rows)], dtype=F64)
+    return x, k, t
+
+
+def bits(a):
+    """The tensor's bits as integers (NaN == NaN, -0 != +0)."""
+    return a.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[a.element_size()])
+
+
+def fused_tail_outputs(monkeypatch, fused, x, k, t, largest, method):
+    monkeypatch.setenv("FASTLAPSUM_FUSED_TAIL", "1" if fused else "0")
+    b, edge, diag = ops.lapsum_threshold(x, k, t, largest, METHOD[method])
+    p = fastlapsum.soft_topk(x, k, t, largest=largest, method=method)
+    return {"b": b, "edge": edge, "diag": diag, "mask": p}
+
+
+def assert_same_bits(got, want):
+    for name in want:
+        assert torch.equal(bits(got[name]), bits(want[name])), (name, got[name], want[name])
+
+
+# rows, n, dtype, method: lengths either side of the plan's branches (plan_soft.h): just past
+# the on-chip rows, one tile a gathering block (self-propose, sorted middle set), ~1e6 scores,
+# past 2^21 (binned middle sets), fp64 (binned), batches (a propose launch), the radix bracket
+FUSED_TAIL_CELLS = [
+    (1, 4097, torch.float32, "bracket"),
+    (3, 100_000, torch.float32, "bracket"),
+    (3, 1_000_000, torch.float32, "bracket"),
+    (1, (1 << 21) + 4096, torch.float32, "bracket"),
+    (3, 300_000, F64, "bracket"),
+    (200, 5000, torch.float32, "bracket"),
+    (200, 70_000, torch.bfloat16, "bracket"),
+    (200, 5000, F64, "bracket"),
+    (1, 4097, torch.float16, "sort"),
+    (3, 100_000, torch.float32, "sort"),
+    (200, 5000, F64, "sort"),
+]
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("rows, n, dtype, method", FUSED_TAIL_CELLS)
+def test_fused_tail_same_bits(monkeypatch, rows, n, dtype, method, largest):
+    x, k, t = fused_tail_rows(rows, n, seed=rows + n)
+    x, k, t = x.to(dtype).cuda(), k.cuda(), t.cuda()
+    want = fused_tail_outputs(monkeypatch, False, x, k, t, largest, method)
+    got = fused_tail_outputs(monkeypatch, True, x, k, t, largest, method)
+    assert_same_bits(got, want)
+    # the rows took the paths the cells are for: the bracket's fallback, the binning levels
+    path = got["diag"].view(rows, 3)[:, 0].cpu()
+    if method == "bracket" and rows >= 3:
+        assert (path == fastlapsum.PATH_RADIX).any() and (path == fastlapsum.PATH_BRACKET).any(), path
+
+
+def test_fused_tail_cuda_graph(monkeypatch):
+    """The fused sequence captured in a CUDA graph: its arrival counters start at zero in every
+    replay (the captured fill) and are left at zero by each row's last block, so replays on
+    new rows give the eager calls' bits."""
+    monkeypatch.setenv("FASTLAPSUM_FUSED_TAIL", "1")
+    rows, n = 7, 100_000
+    x, k, t = (a.cuda() for a in fused_tail_rows(rows, n, seed=90))
+    x = x.float()
+
+    def step():
+        out = {}
+        for method in ("bracket", "sort"):
+            b, edge, diag = ops.lapsum_threshold(x, k, t, True, METHOD[method])
+            out.update({f"b {method}": b, f"edge {method}": edge, f"diag {method}": diag})
+        out["mask"] = fastlapsum.soft_topk(x, k, t, method="bracket")
+        return out
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for seed in (91, 92, 93):
+        xs, ks, ts = fused_tail_rows(rows, n, seed)
+        perm = torch.randperm(rows, generator=gen(seed))  # the row kinds move between replays
+        x.copy_(xs[perm].float())
+        k.copy_(ks[perm])
+        t.copy_(ts[perm])
+        graph.replay()
+        torch.cuda.synchronize()
+        for fused in (True, False):
+            monkeypatch.setenv("FASTLAPSUM_FUSED_TAIL", "1" if fused else "0")
+            assert_same_bits(static, step())
+
+
+def test_fused_tail_launches(monkeypatch):
+    """The override selects the sequence: fused, no scan or solve kernel runs; unfused, a scan
+    after every binning level and one solve."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, k, t = (a.cuda() for a in fused_tail_rows(2, 100_000, seed=95))
+    x = x.float()
+
+    def kernels(fused, method):
+        monkeypatch.setenv("FASTLAPSUM_FUSED_TAIL", "1" if fused else "0")
+        ops.lapsum_threshold(x, k, t, True, METHOD[method])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            ops.lapsum_threshold(x, k, t, True, METHOD[method])
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return {kind: sum(f"{kind}_kernel" in name for name in names) for kind in ("level", "scan", "sides", "solve")}
+
+    levels = 2 + 3  # fp32: the gathering level, then a level a digit of the radix fallback
+    assert kernels(True, "bracket") == {"level": levels, "scan": 0, "sides": 1, "solve": 0}
+    assert kernels(False, "bracket") == {"level": levels, "scan": levels - 1, "sides": 1, "solve": 1}
+    assert kernels(True, "sort") == {"level": levels, "scan": 0, "sides": 1, "solve": 0}
+    assert kernels(False, "sort") == {"level": levels, "scan": levels, "sides": 1, "solve": 1}
+
+
+@pytest.mark.parametrize("method", ["bracket", "sort"])
+def test_fused_tail_blocks_of_several_rows(monkeypatch, method):
+    """More rows than a grid has block rows (65535): a block takes rows r and r + 65535,
+    arrives for each and claims each scan after its row loop. Constant rows (the bracket's
+    fallback) and NaN rows among them."""
+    rows, n = 65537, 4097
+    x = torch.randn(rows, n, device="cuda", generator=torch.Generator("cuda").manual_seed(96))
+    x[::3] = 0.25
+    x[1::7, 5] = math.nan
+    k = torch.linspace(1.5, n - 1.5, rows, dtype=F64, device="cuda")
+    t = torch.full((rows,), 0.5, dtype=F64, device="cuda")
+    out = []
+    for fused in (False, True):
+        monkeypatch.setenv("FASTLAPSUM_FUSED_TAIL", "1" if fused else "0")
+        out.append(ops.lapsum_threshold(x, k, t, True, METHOD[method]))
+    for name, want, got in zip(("b", "edge", "diag"), *out):
+        assert torch.equal(bits(got), bits(want)), name
+    b = out[1][0]
+    nan_row = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    nan_row[1::7] = True
+    assert b[nan_row].isnan().all() and b[~nan_row].isfinite().all()
+    # against the CPU op
+    tail = [65532, 65534, 65536]  # constant, Gaussian, Gaussian (the last one a block's second row)
+    bc = fastlapsum.lapsum_threshold(x[tail].cpu(), k[tail].cpu(), t[tail].cpu())
+    assert ((b[tail].cpu() - bc).abs() <= 1e-6 * t[tail].cpu() + 4 * ulp_above(bc)).all(), (b[tail], bc)

@@ -1,5 +1,7 @@
-// The scan after a level (scan_kernel): folds the level's partials, checks the bracket's
-// certificate on the first binned level, and finds the gap or the bin that holds the root.
+// The scan after a level (scan_row): folds the level's partials, checks the bracket's
+// certificate on the first binned level, and finds the gap or the bin that holds the root. It
+// runs in its own launch (scan_kernel) or in a level block of the row once all are done
+// (level_kernel's fused instance); both at kScanThreads = kLevelThreads threads, so that both sum in one order.
 #pragma once
 
 #include <cub/block/block_reduce.cuh>
@@ -7,6 +9,7 @@
 
 #include "../../common/cuda_launch.cuh"
 #include "bins.cuh"
+#include "last_block.cuh"
 #include "settled.cuh"
 
 namespace fastlapsum {
@@ -23,13 +26,14 @@ __device__ inline RowState fallback_state(RowState st, uint64_t min_key, uint64_
   return st;
 }
 
-// A row's level partials, folded in a fixed order; every thread gets the total.
+// A row's level partials, folded in a fixed order (the same whichever block folds them, for a
+// block of kThreads); every thread gets the total.
 template <int kThreads>
 __device__ LevelPartial fold_partials(const LevelPartial* __restrict__ p, int chunks,
                                       typename cub::BlockReduce<LevelPartial, kThreads>::TempStorage& tmp,
                                       LevelPartial& s_total) {
   LevelPartial acc{0.0, 0.0, 0.0, 0, 0, 0, 0, 0};
-  for (int c = threadIdx.x; c < chunks; c += kThreads) acc = LevelPartialSum{}(acc, p[c]);
+  for (int c = threadIdx.x; c < chunks; c += kThreads) acc = LevelPartialSum{}(acc, load_cg(p + c));
   const LevelPartial total = cub::BlockReduce<LevelPartial, kThreads>(tmp).Reduce(acc, LevelPartialSum{});
   if (threadIdx.x == 0) s_total = total;
   __syncthreads();
@@ -59,260 +63,275 @@ __device__ inline bool settle_first_pass(RowState& st, const LevelPartial& total
   return true;
 }
 
+// The scan's shared memory, for a block of kThreads.
+template <int kThreads>
+struct ScanStorage {
+  union {
+    typename cub::BlockReduce<LevelPartial, kThreads>::TempStorage fold;
+    typename cub::BlockScan<Atom, kThreads, cub::BLOCK_SCAN_WARP_SCANS>::TempStorage scan;  // raking would need 40 KB
+    typename cub::BlockScan<FlatBelow, kThreads, cub::BLOCK_SCAN_WARP_SCANS>::TempStorage below;
+    typename cub::BlockScan<FlatAbove, kThreads, cub::BLOCK_SCAN_WARP_SCANS>::TempStorage above;
+    typename cub::BlockReduce<int, kThreads>::TempStorage min;
+  } tmp;
+  union Groups {
+    Atom atom[kThreads];
+    FlatAbove flat[kThreads];
+  };
+  Groups group, above;
+  LevelPartial total;
+  double gap_lo, gap_hi, psi_top, psi_bottom;
+  int inside, owner;
+};
+
+// The scan of row r (still refining) over its bins h and its level's `chunks` partials;
+// writes the row's next state and zeroes the bins for the next level. Every thread of the
+// block calls it. Not inlined, and it reads the row's state itself: the level kernel's tile
+// loop spills more with either the scan inlined or the state kept live across the loop.
+template <typename scalar_t, int kThreads>
+__device__ __noinline__ void scan_row(ScanStorage<kThreads>& sm, int64_t r, RowState* __restrict__ state,
+                                      BinSums* __restrict__ h, const LevelPartial* __restrict__ partial, int chunks,
+                                      const double* __restrict__ k_in, double* __restrict__ b_out,
+                                      double* __restrict__ edge_out, int64_t* __restrict__ diag, int64_t n, double sign) {
+  using KT = KeyTraits<scalar_t>;
+  using Key = typename KT::Key;
+  using AtomScan = cub::BlockScan<Atom, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  using BelowScan = cub::BlockScan<FlatBelow, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  using AboveScan = cub::BlockScan<FlatAbove, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  using MinIndex = cub::BlockReduce<int, kThreads>;
+  constexpr int kBinsPer = kBins / kThreads;  // consecutive bins per thread
+  RowState st = state[r];
+  const LevelPartial total = fold_partials<kThreads>(partial, chunks, sm.tmp.fold, sm.total);
+  const double t = st.t;
+  const uint64_t lo = st.lo_key, hi = st.hi_key;
+  bool finished = false;  // uniform: every thread decides the same
+  if (st.certify != kCertified) {
+    if (settle_first_pass(st, total, k_in[r], n, sign, r, b_out, edge_out, diag)) {
+      finished = true;
+    } else {
+      st.middle = static_cast<int64_t>(total.middle);
+      if (st.status == kRefineMiddle && total.overflow) {
+        st = fallback_state(st, KT::min_key(), KT::max_key());
+        finished = true;
+      }
+    }
+  }
+  if (!finished) {
+    const double a_hi = KT::value(Key(hi)), a_lo = KT::value(Key(lo));
+    Tail above{total.above_count, total.above_sum, a_hi}, below{0.0, total.below_sum, a_lo};
+    if (st.status == kRefineMiddle && st.certify == kCertified) {  // add the scores outside the bracket
+      if (st.above0.count > 0.0) {
+        above.count += st.above0.count;
+        above.sum += st.above0.sum * exp((a_hi - st.above0.ref) / t);
+      }
+      if (st.below0.sum > 0.0) below.sum += st.below0.sum * exp((st.below0.ref - a_lo) / t);
+    }
+    if (st.certify != kCertified) {
+      st.above0 = above;
+      st.below0 = below;
+    }
+    const int shift = bin_shift(lo, hi);
+    const double inv_t = inv_temperature(t), k = st.k;
+    // flat: the lower tail's sum must stay normal against a_hi (a sum below 1e-60, rare,
+    // still decides Psi when k is that small)
+    const FlatFrame f{a_lo, a_hi, inv_t};
+    const bool flat_bins = flat_range(a_lo, a_hi, inv_t);
+    if (flat_bins && !(below.sum > 0.0 && below.sum < 1e-60)) {  // uniform
+      const double drop = exp((a_lo - a_hi) * inv_t);  // the tails' sums against the far end
+      const FlatAtom none{0.0, 0.0, 0.0, INFINITY, -INFINITY};
+      const double above_tail_u = above.sum * drop, below_tail_l = below.sum * drop;
+      // The same scan as the atom path below, with sums in place of merges.
+      const int j = static_cast<int>(threadIdx.x), base = kBinsPer * j;
+      const auto edge_lo = [&](int bin) { return KT::value(Key(bin_keys(lo, hi, shift, bin).first)); };
+      const auto edge_hi = [&](int bin) { return KT::value(Key(bin_keys(lo, hi, shift, bin).last)); };
+      FlatAtom group = none;
+      int top_bin = -1, bottom_bin = kBins;  // the group's highest / lowest nonempty bin
+      for (int q = 0; q < kBinsPer; ++q) {
+        const FlatAtom a = flat_bin<KT>(load_cg(h + base + q), lo, hi, shift, base + q);
+        group = FlatMerge{}(group, a);
+        if (a.count > 0.0) {
+          top_bin = base + q;
+          bottom_bin = bottom_bin < kBins ? bottom_bin : base + q;
+        }
+      }
+      sm.group.flat[j] = FlatAbove{group.count, group.u, bottom_bin};
+      FlatBelow below_g;
+      FlatAbove above_r;
+      BelowScan(sm.tmp.below).ExclusiveScan(FlatBelow{group.l, top_bin}, below_g, FlatBelow{below_tail_l, -1},
+                                         FlatBelowMerge{});
+      __syncthreads();  // s_group; tmp reused
+      AboveScan(sm.tmp.above).ExclusiveScan(sm.group.flat[kThreads - 1 - j], above_r,
+                                         FlatAbove{above.count, above_tail_u, kBins}, FlatAboveMerge{});
+      sm.above.flat[kThreads - 1 - j] = above_r;
+      if (j == kThreads - 1) sm.psi_top = f.psi(above.count, above_tail_u, below_g.l + group.l, a_hi);
+      __syncthreads();  // s_above; tmp -> sm.tmp.min
+      const FlatAbove above_g = sm.above.flat[j];
+      const double above_lo = above_g.bottom < kBins ? edge_lo(above_g.bottom) : INFINITY;
+      const bool holds = group.count > 0.0 &&
+                         f.psi(above_g.count + group.count, above_g.u + group.u, below_g.l, group.lo) >= k;
+      const int low = MinIndex(sm.tmp.min).Reduce(holds ? kThreads - 1 - j : kThreads, MinInt{});
+      if (j == 0) {
+        sm.owner = kThreads - 1 - low;  // -1: the root lies below every bin
+        sm.inside = kBins;
+        sm.gap_lo = below.ref;
+        sm.gap_hi = fmin(fmin(above_lo, group.lo), a_hi);
+        sm.psi_bottom = f.psi(above_g.count + group.count, above_g.u + group.u, below_tail_l, a_lo);
+      }
+      __syncthreads();
+      if (j == sm.owner) {
+        // The owner's walk, descending, every bin's two tests computed (their exponentials
+        // overlap) and the first bin that passes one taken: Psi >= k at its upper edge puts
+        // the root in the gap above it, Psi > k at its lower edge (bin counted above) inside it.
+        FlatAtom a[kBinsPer];
+        double below_l[kBinsPer];  // the sums below each bin, lower tail included
+        double run_l = below_g.l;
+#pragma unroll
+        for (int q = 0; q < kBinsPer; ++q) {
+          a[q] = flat_bin<KT>(load_cg(h + base + q), lo, hi, shift, base + q);
+          below_l[q] = run_l;
+          run_l += a[q].l;
+        }
+        double C = above_g.count, u = above_g.u, top = above_lo;  // the atoms above bin q
+        int hit = -1;
+        bool gap_hit = false;
+        double hit_lo = 0.0, hit_hi = 0.0;  // the gap above the hit bin
+#pragma unroll
+        for (int q = kBinsPer - 1; q >= 0; --q) {
+          if (a[q].count == 0.0) continue;
+          const bool gap = f.psi(C, u, a[q].l + below_l[q], a[q].hi) >= k;
+          const bool inside = a[q].lo < a[q].hi && f.psi(C + a[q].count, u + a[q].u, below_l[q], a[q].lo) > k;
+          if (hit < 0 && (gap || inside)) {
+            hit = q;
+            gap_hit = gap;
+            hit_lo = a[q].hi;
+            hit_hi = fmin(top, a_hi);
+          }
+          C += a[q].count;
+          u += a[q].u;
+          top = fmin(top, a[q].lo);
+        }
+        sm.gap_lo = below_g.top >= 0 ? edge_hi(below_g.top) : below.ref;
+        sm.gap_hi = group.lo;
+        if (hit >= 0 && gap_hit) {
+          sm.gap_lo = hit_lo;
+          sm.gap_hi = hit_hi;
+        } else if (hit >= 0) {
+          sm.inside = base + hit;
+        }
+      }
+      __syncthreads();
+    } else {
+      const AtomMerge merge{inv_t};
+      const Atom none{0, 0, 0, 0, 0};
+      const Atom above_atom = above.count > 0.0 ? Atom{above.ref, above.ref, above.count, above.sum, 0.0} : none;
+      const Atom below_atom = below.sum > 0.0 ? Atom{below.ref, below.ref, 1.0, 0.0, below.sum} : none;
+      // Thread j owns bins [kBinsPer j, kBinsPer (j + 1)) as one group atom; two block scans
+      // give each group the atoms below it (after the lower tail) and above it (after the
+      // upper tail). Psi decreases: the highest group whose lowest edge has Psi >= k holds
+      // the root (inside one of its bins, or in the gap above one) and only its owner walks
+      // its bins, so that most threads fold their bins once (exponentials are the cost).
+      const int j = static_cast<int>(threadIdx.x), base = kBinsPer * j;
+      Atom group = none;
+      for (int q = 0; q < kBinsPer; ++q) group = merge(group, bin_atom<KT>(load_cg(h + base + q), lo, hi, shift, base + q, flat_bins, f));
+      sm.group.atom[j] = group;
+      Atom below_g, above_r;
+      AtomScan(sm.tmp.scan).ExclusiveScan(group, below_g, below_atom, merge);
+      __syncthreads();  // s_group; sm.tmp.scan reused
+      AtomScan(sm.tmp.scan).ExclusiveScan(sm.group.atom[kThreads - 1 - j], above_r, above_atom, merge);
+      sm.above.atom[kThreads - 1 - j] = above_r;  // the upper tail and the groups above that one
+      if (j == kThreads - 1) {  // Psi at the range top: the upper tail above, everything else below
+        const Atom sa = merge(below_g, group);
+        sm.psi_top = psi_at_hi(above.count, above.sum, sa.count > 0.0 ? sa.L : 0.0, above.ref,
+                              sa.count > 0.0 ? sa.hi : -INFINITY, t);
+      }
+      __syncthreads();  // s_above; sm.tmp.scan -> sm.tmp.min
+      const Atom above_g = sm.above.atom[j];
+      const Atom pa = merge(above_g, group);  // pa.lo is the group's lower edge; in thread 0, all atoms
+      bool holds = false;  // Psi at the group's lower edge, its scores above that edge
+      if (group.count > 0.0) {
+        const bool lower = below_g.count > 0.0;
+        holds = psi_at_hi(pa.count, pa.U, lower ? below_g.L : 0.0, pa.lo, lower ? below_g.hi : -INFINITY, t) >= k;
+      }
+      const int low = MinIndex(sm.tmp.min).Reduce(holds ? kThreads - 1 - j : kThreads, MinInt{});
+      if (j == 0) {
+        sm.owner = kThreads - 1 - low;  // -1: the root lies below every bin
+        sm.inside = kBins;
+        sm.gap_lo = below.ref;
+        sm.gap_hi = pa.count > 0.0 ? pa.lo : above.ref;
+        sm.psi_bottom = psi_at_lo(pa.count, pa.count > 0.0 ? pa.U : 0.0, below.sum, pa.count > 0.0 ? pa.lo : INFINITY,
+                                 below.ref, t);
+      }
+      __syncthreads();
+      if (j == sm.owner) {
+        // The walk of scan_atoms over the group's bins, descending: the first bin whose upper
+        // edge has Psi >= k has the root in the gap above it; a bin with Psi < k at its upper
+        // and > k at its lower edge holds it. Neither (Psi = k at the group's lower edge, to
+        // rounding): the gap below the group.
+        double suf_hi[kBinsPer], suf_L[kBinsPer];  // the atoms below each bin, lower tail included
+        Atom run = below_g;
+        for (int q = 0; q < kBinsPer; ++q) {
+          suf_hi[q] = run.count > 0.0 ? run.hi : -INFINITY;
+          suf_L[q] = run.count > 0.0 ? run.L : 0.0;
+          run = merge(run, bin_atom<KT>(load_cg(h + base + q), lo, hi, shift, base + q, flat_bins, f));
+        }
+        double gap_lo = below_g.count > 0.0 ? below_g.hi : below.ref, gap_hi = group.lo;
+        run = above_g;
+        for (int q = kBinsPer - 1; q >= 0; --q) {
+          const int bin = base + q;
+          const Atom a = bin_atom<KT>(load_cg(h + bin), lo, hi, shift, bin, flat_bins, f);
+          const Atom p = run;
+          run = merge(run, a);
+          if (a.count == 0.0) continue;
+          const double C = p.count, A = p.count > 0.0 ? p.U : 0.0, top = p.count > 0.0 ? p.lo : INFINITY;
+          const double sL = suf_L[q], sH = suf_hi[q];
+          const double L_incl = a.L + (sL > 0.0 ? sL * exp((sH - a.hi) / t) : 0.0);
+          if (psi_at_lo(C, A, L_incl, top, a.hi, t) >= k) {
+            gap_lo = a.hi;
+            gap_hi = p.count > 0.0 ? p.lo : above.ref;
+            break;
+          }
+          if (a.lo < a.hi) {
+            const double U_incl = a.U + (A > 0.0 ? A * exp((a.lo - top) / t) : 0.0);
+            if (psi_at_hi(C + a.count, U_incl, sL, a.lo, sL > 0.0 ? sH : -INFINITY, t) > k) {
+              sm.inside = bin;
+              break;
+            }
+          }
+        }
+        sm.gap_lo = gap_lo;
+        sm.gap_hi = gap_hi;
+      }
+      __syncthreads();
+    }
+    const double psi_top = sm.psi_top, psi_bottom = sm.psi_bottom;
+    if (st.certify != kCertified && st.status == kRefineMiddle && !(psi_top <= k && psi_bottom >= k)) {
+      st = fallback_state(st, KT::min_key(), KT::max_key());  // the sample missed: exact fallback
+    } else if (sm.inside < kBins) {
+      const BinKeys refine = bin_keys(lo, hi, shift, sm.inside);
+      st.lo_key = refine.first;
+      st.hi_key = refine.last;
+    } else {
+      st.gap_lo = sm.gap_lo;
+      st.gap_hi = sm.gap_hi;
+      st.status = st.status == kRefineMiddle ? kSolveMiddle : kSolveRow;
+    }
+    st.certify = kCertified;
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < kBins; j += kThreads) h[j] = BinSums{0, 0.0, 0.0};
+  if (threadIdx.x == 0) state[r] = st;
+  __syncthreads();
+}
+
 template <typename scalar_t>
 __global__ void __launch_bounds__(kScanThreads)
 scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const LevelPartial* __restrict__ partial,
             int chunks, const double* __restrict__ k_in, double* __restrict__ b_out, double* __restrict__ edge_out,
             int64_t* __restrict__ diag, int64_t rows, int64_t n, double sign, bool preread) {
-  const bool settled = preread && rows_settled_early(state, blockIdx.x, gridDim.x, rows, past_refine);
-  begin_dependent_grid();
-  if (settled) return;
-  using KT = KeyTraits<scalar_t>;
-  using Key = typename KT::Key;
-  using Fold = cub::BlockReduce<LevelPartial, kScanThreads>;
-  using AtomScan = cub::BlockScan<Atom, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;  // raking would need 40 KB
-  using BelowScan = cub::BlockScan<FlatBelow, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
-  using AboveScan = cub::BlockScan<FlatAbove, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
-  using MinIndex = cub::BlockReduce<int, kScanThreads>;
-  __shared__ union {
-    typename Fold::TempStorage fold;
-    typename AtomScan::TempStorage scan;
-    typename BelowScan::TempStorage below;
-    typename AboveScan::TempStorage above;
-    typename MinIndex::TempStorage min;
-  } tmp;
-  __shared__ union {
-    Atom atom[kScanThreads];
-    FlatAbove flat[kScanThreads];
-  } s_group, s_above;
-  __shared__ LevelPartial s_total;
-  __shared__ double s_gap_lo, s_gap_hi, s_psi_top, s_psi_bottom;
-  __shared__ int s_inside, s_owner;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    RowState st = state[r];
-    if (st.status != kRefineMiddle && st.status != kRefineRow) continue;  // uniform
-    BinSums* h = hist + r * kBins;
-    const LevelPartial total = fold_partials<kScanThreads>(partial + r * chunks, chunks, tmp.fold, s_total);
-    const double t = st.t;
-    const uint64_t lo = st.lo_key, hi = st.hi_key;
-    bool finished = false;  // uniform: every thread decides the same
-    if (st.certify != kCertified) {
-      if (settle_first_pass(st, total, k_in[r], n, sign, r, b_out, edge_out, diag)) {
-        finished = true;
-      } else {
-        st.middle = static_cast<int64_t>(total.middle);
-        if (st.status == kRefineMiddle && total.overflow) {
-          st = fallback_state(st, KT::min_key(), KT::max_key());
-          finished = true;
-        }
-      }
-    }
-    if (!finished) {
-      const double a_hi = KT::value(Key(hi)), a_lo = KT::value(Key(lo));
-      Tail above{total.above_count, total.above_sum, a_hi}, below{0.0, total.below_sum, a_lo};
-      if (st.status == kRefineMiddle && st.certify == kCertified) {  // add the scores outside the bracket
-        if (st.above0.count > 0.0) {
-          above.count += st.above0.count;
-          above.sum += st.above0.sum * exp((a_hi - st.above0.ref) / t);
-        }
-        if (st.below0.sum > 0.0) below.sum += st.below0.sum * exp((st.below0.ref - a_lo) / t);
-      }
-      if (st.certify != kCertified) {
-        st.above0 = above;
-        st.below0 = below;
-      }
-      const int shift = bin_shift(lo, hi);
-      const double inv_t = inv_temperature(t), k = st.k;
-      // flat: the lower tail's sum must stay normal against a_hi (a sum below 1e-60, rare,
-      // still decides Psi when k is that small)
-      const FlatFrame f{a_lo, a_hi, inv_t};
-      const bool flat_bins = flat_range(a_lo, a_hi, inv_t);
-      if (flat_bins && !(below.sum > 0.0 && below.sum < 1e-60)) {  // uniform
-        const double drop = exp((a_lo - a_hi) * inv_t);  // the tails' sums against the far end
-        const FlatAtom none{0.0, 0.0, 0.0, INFINITY, -INFINITY};
-        const double above_tail_u = above.sum * drop, below_tail_l = below.sum * drop;
-        // The same scan as the atom path below, with sums in place of merges.
-        const int j = static_cast<int>(threadIdx.x), base = kScanBins * j;
-        const auto edge_lo = [&](int bin) { return KT::value(Key(bin_keys(lo, hi, shift, bin).first)); };
-        const auto edge_hi = [&](int bin) { return KT::value(Key(bin_keys(lo, hi, shift, bin).last)); };
-        FlatAtom group = none;
-        int top_bin = -1, bottom_bin = kBins;  // the group's highest / lowest nonempty bin
-        for (int q = 0; q < kScanBins; ++q) {
-          const FlatAtom a = flat_bin<KT>(h[base + q], lo, hi, shift, base + q);
-          group = FlatMerge{}(group, a);
-          if (a.count > 0.0) {
-            top_bin = base + q;
-            bottom_bin = bottom_bin < kBins ? bottom_bin : base + q;
-          }
-        }
-        s_group.flat[j] = FlatAbove{group.count, group.u, bottom_bin};
-        FlatBelow below_g;
-        FlatAbove above_r;
-        BelowScan(tmp.below).ExclusiveScan(FlatBelow{group.l, top_bin}, below_g, FlatBelow{below_tail_l, -1},
-                                           FlatBelowMerge{});
-        __syncthreads();  // s_group; tmp reused
-        AboveScan(tmp.above).ExclusiveScan(s_group.flat[kScanThreads - 1 - j], above_r,
-                                           FlatAbove{above.count, above_tail_u, kBins}, FlatAboveMerge{});
-        s_above.flat[kScanThreads - 1 - j] = above_r;
-        if (j == kScanThreads - 1) s_psi_top = f.psi(above.count, above_tail_u, below_g.l + group.l, a_hi);
-        __syncthreads();  // s_above; tmp -> tmp.min
-        const FlatAbove above_g = s_above.flat[j];
-        const double above_lo = above_g.bottom < kBins ? edge_lo(above_g.bottom) : INFINITY;
-        const bool holds = group.count > 0.0 &&
-                           f.psi(above_g.count + group.count, above_g.u + group.u, below_g.l, group.lo) >= k;
-        const int low = MinIndex(tmp.min).Reduce(holds ? kScanThreads - 1 - j : kScanThreads, MinInt{});
-        if (j == 0) {
-          s_owner = kScanThreads - 1 - low;  // -1: the root lies below every bin
-          s_inside = kBins;
-          s_gap_lo = below.ref;
-          s_gap_hi = fmin(fmin(above_lo, group.lo), a_hi);
-          s_psi_bottom = f.psi(above_g.count + group.count, above_g.u + group.u, below_tail_l, a_lo);
-        }
-        __syncthreads();
-        if (j == s_owner) {
-          // The owner's walk, descending, every bin's two tests computed (their exponentials
-          // overlap) and the first bin that passes one taken: Psi >= k at its upper edge puts
-          // the root in the gap above it, Psi > k at its lower edge (bin counted above) inside it.
-          FlatAtom a[kScanBins];
-          double below_l[kScanBins];  // the sums below each bin, lower tail included
-          double run_l = below_g.l;
-#pragma unroll
-          for (int q = 0; q < kScanBins; ++q) {
-            a[q] = flat_bin<KT>(h[base + q], lo, hi, shift, base + q);
-            below_l[q] = run_l;
-            run_l += a[q].l;
-          }
-          double C = above_g.count, u = above_g.u, top = above_lo;  // the atoms above bin q
-          int hit = -1;
-          bool gap_hit = false;
-          double hit_lo = 0.0, hit_hi = 0.0;  // the gap above the hit bin
-#pragma unroll
-          for (int q = kScanBins - 1; q >= 0; --q) {
-            if (a[q].count == 0.0) continue;
-            const bool gap = f.psi(C, u, a[q].l + below_l[q], a[q].hi) >= k;
-            const bool inside = a[q].lo < a[q].hi && f.psi(C + a[q].count, u + a[q].u, below_l[q], a[q].lo) > k;
-            if (hit < 0 && (gap || inside)) {
-              hit = q;
-              gap_hit = gap;
-              hit_lo = a[q].hi;
-              hit_hi = fmin(top, a_hi);
-            }
-            C += a[q].count;
-            u += a[q].u;
-            top = fmin(top, a[q].lo);
-          }
-          s_gap_lo = below_g.top >= 0 ? edge_hi(below_g.top) : below.ref;
-          s_gap_hi = group.lo;
-          if (hit >= 0 && gap_hit) {
-            s_gap_lo = hit_lo;
-            s_gap_hi = hit_hi;
-          } else if (hit >= 0) {
-            s_inside = base + hit;
-          }
-        }
-        __syncthreads();
-      } else {
-        const AtomMerge merge{inv_t};
-        const Atom none{0, 0, 0, 0, 0};
-        const Atom above_atom = above.count > 0.0 ? Atom{above.ref, above.ref, above.count, above.sum, 0.0} : none;
-        const Atom below_atom = below.sum > 0.0 ? Atom{below.ref, below.ref, 1.0, 0.0, below.sum} : none;
-        // Thread j owns bins [kScanBins j, kScanBins (j + 1)) as one group atom; two block scans
-        // give each group the atoms below it (after the lower tail) and above it (after the
-        // upper tail). Psi decreases: the highest group whose lowest edge has Psi >= k holds
-        // the root (inside one of its bins, or in the gap above one) and only its owner walks
-        // its bins, so that most threads fold their bins once (exponentials are the cost).
-        const int j = static_cast<int>(threadIdx.x), base = kScanBins * j;
-        Atom group = none;
-        for (int q = 0; q < kScanBins; ++q) group = merge(group, bin_atom<KT>(h[base + q], lo, hi, shift, base + q, flat_bins, f));
-        s_group.atom[j] = group;
-        Atom below_g, above_r;
-        AtomScan(tmp.scan).ExclusiveScan(group, below_g, below_atom, merge);
-        __syncthreads();  // s_group; tmp.scan reused
-        AtomScan(tmp.scan).ExclusiveScan(s_group.atom[kScanThreads - 1 - j], above_r, above_atom, merge);
-        s_above.atom[kScanThreads - 1 - j] = above_r;  // the upper tail and the groups above that one
-        if (j == kScanThreads - 1) {  // Psi at the range top: the upper tail above, everything else below
-          const Atom sa = merge(below_g, group);
-          s_psi_top = psi_at_hi(above.count, above.sum, sa.count > 0.0 ? sa.L : 0.0, above.ref,
-                                sa.count > 0.0 ? sa.hi : -INFINITY, t);
-        }
-        __syncthreads();  // s_above; tmp.scan -> tmp.min
-        const Atom above_g = s_above.atom[j];
-        const Atom pa = merge(above_g, group);  // pa.lo is the group's lower edge; in thread 0, all atoms
-        bool holds = false;  // Psi at the group's lower edge, its scores above that edge
-        if (group.count > 0.0) {
-          const bool lower = below_g.count > 0.0;
-          holds = psi_at_hi(pa.count, pa.U, lower ? below_g.L : 0.0, pa.lo, lower ? below_g.hi : -INFINITY, t) >= k;
-        }
-        const int low = MinIndex(tmp.min).Reduce(holds ? kScanThreads - 1 - j : kScanThreads, MinInt{});
-        if (j == 0) {
-          s_owner = kScanThreads - 1 - low;  // -1: the root lies below every bin
-          s_inside = kBins;
-          s_gap_lo = below.ref;
-          s_gap_hi = pa.count > 0.0 ? pa.lo : above.ref;
-          s_psi_bottom = psi_at_lo(pa.count, pa.count > 0.0 ? pa.U : 0.0, below.sum, pa.count > 0.0 ? pa.lo : INFINITY,
-                                   below.ref, t);
-        }
-        __syncthreads();
-        if (j == s_owner) {
-          // The walk of scan_atoms over the group's bins, descending: the first bin whose upper
-          // edge has Psi >= k has the root in the gap above it; a bin with Psi < k at its upper
-          // and > k at its lower edge holds it. Neither (Psi = k at the group's lower edge, to
-          // rounding): the gap below the group.
-          double suf_hi[kScanBins], suf_L[kScanBins];  // the atoms below each bin, lower tail included
-          Atom run = below_g;
-          for (int q = 0; q < kScanBins; ++q) {
-            suf_hi[q] = run.count > 0.0 ? run.hi : -INFINITY;
-            suf_L[q] = run.count > 0.0 ? run.L : 0.0;
-            run = merge(run, bin_atom<KT>(h[base + q], lo, hi, shift, base + q, flat_bins, f));
-          }
-          double gap_lo = below_g.count > 0.0 ? below_g.hi : below.ref, gap_hi = group.lo;
-          run = above_g;
-          for (int q = kScanBins - 1; q >= 0; --q) {
-            const int bin = base + q;
-            const Atom a = bin_atom<KT>(h[bin], lo, hi, shift, bin, flat_bins, f);
-            const Atom p = run;
-            run = merge(run, a);
-            if (a.count == 0.0) continue;
-            const double C = p.count, A = p.count > 0.0 ? p.U : 0.0, top = p.count > 0.0 ? p.lo : INFINITY;
-            const double sL = suf_L[q], sH = suf_hi[q];
-            const double L_incl = a.L + (sL > 0.0 ? sL * exp((sH - a.hi) / t) : 0.0);
-            if (psi_at_lo(C, A, L_incl, top, a.hi, t) >= k) {
-              gap_lo = a.hi;
-              gap_hi = p.count > 0.0 ? p.lo : above.ref;
-              break;
-            }
-            if (a.lo < a.hi) {
-              const double U_incl = a.U + (A > 0.0 ? A * exp((a.lo - top) / t) : 0.0);
-              if (psi_at_hi(C + a.count, U_incl, sL, a.lo, sL > 0.0 ? sH : -INFINITY, t) > k) {
-                s_inside = bin;
-                break;
-              }
-            }
-          }
-          s_gap_lo = gap_lo;
-          s_gap_hi = gap_hi;
-        }
-        __syncthreads();
-      }
-      const double psi_top = s_psi_top, psi_bottom = s_psi_bottom;
-      if (st.certify != kCertified && st.status == kRefineMiddle && !(psi_top <= k && psi_bottom >= k)) {
-        st = fallback_state(st, KT::min_key(), KT::max_key());  // the sample missed: exact fallback
-      } else if (s_inside < kBins) {
-        const BinKeys refine = bin_keys(lo, hi, shift, s_inside);
-        st.lo_key = refine.first;
-        st.hi_key = refine.last;
-      } else {
-        st.gap_lo = s_gap_lo;
-        st.gap_hi = s_gap_hi;
-        st.status = st.status == kRefineMiddle ? kSolveMiddle : kSolveRow;
-      }
-      st.certify = kCertified;
-    }
-    __syncthreads();
-    for (int j = threadIdx.x; j < kBins; j += blockDim.x) h[j] = BinSums{0, 0.0, 0.0};
-    if (threadIdx.x == 0) state[r] = st;
-    __syncthreads();
-  }
+  __shared__ ScanStorage<kScanThreads> sm;
+  for_each_row_cta(state, rows, preread, past_refine, refining, [&](int64_t r) {
+    scan_row<scalar_t, kScanThreads>(sm, r, state, hist + r * kBins, partial + r * chunks, chunks, k_in, b_out,
+                                     edge_out, diag, n, sign);
+  });
 }
 
 }  // namespace

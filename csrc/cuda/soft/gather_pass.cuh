@@ -1,24 +1,34 @@
 // The level pass (level_kernel): a grid over each row or its middle set that sums the
-// tails, adds the bins, and on a bracketed row's first level gathers the middle set.
+// tails, adds the bins, and on a bracketed row's first level gathers the middle set. Its
+// kScan instance also runs the scan (bin_scan.cuh) of each row, in one of the row's blocks.
 #pragma once
 
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
+#include <type_traits>
+
 #include "../../common/tile_scan.cuh"
+#include "bin_scan.cuh"
+#include "last_block.cuh"
 #include "propose.cuh"
 #include "settled.cuh"
 
 namespace fastlapsum {
 namespace {
 
-template <typename scalar_t>
+// kScan: a binning level whose scan runs in one of the row's blocks once all have finished
+// the row (last_block.cuh: arrive, then claim after the row loop; `arrivals`, a counter a
+// row, zero before and after), not in a scan_kernel launch after it. Not for a gathering
+// level (no scan follows it).
+template <typename scalar_t, bool kScan>
 __global__ void __launch_bounds__(kLevelThreads, 2)
 level_kernel(const scalar_t* __restrict__ x, RowState* __restrict__ state, double* __restrict__ middle,
              unsigned* __restrict__ slice_count, int64_t cap, BinSums* __restrict__ hist,
              LevelPartial* __restrict__ partial, const double* __restrict__ k_in, const double* __restrict__ t_in,
-             unsigned* __restrict__ first_hist, unsigned* __restrict__ later_hist, int64_t rows, int64_t n,
-             double sign, int level, bool preread, bool propose) {
+             unsigned* __restrict__ first_hist, unsigned* __restrict__ later_hist, unsigned* __restrict__ arrivals,
+             double* __restrict__ b_out, double* __restrict__ edge_out, int64_t* __restrict__ diag, int64_t rows,
+             int64_t n, double sign, int level, bool preread, bool propose) {
   using KT = KeyTraits<scalar_t>;
   using Key = typename KT::Key;
   using F = compute_t<scalar_t>;
@@ -38,7 +48,10 @@ level_kernel(const scalar_t* __restrict__ x, RowState* __restrict__ state, doubl
       unsigned count[kBins];
     } bins;
     uint4 tile[kLevelUnroll * kLevelThreads];
+    std::conditional_t<kScan, ScanStorage<kLevelThreads>, char> scan;  // after the row's bins are flushed
   } sb;
+  __shared__ int s_last;
+  static_assert(kScanThreads == kLevelThreads, "one block size: the fused scan folds as scan_kernel does");
   unsigned* const s_count = sb.bins.count;  // also propose_from_tile's histogram, beside the parked tile
   static_assert(sizeof(double) * 2 * kBins >= sizeof(sb.tile), "the counts lie past the parked tile");
   double* const s_U = sb.bins.U;
@@ -77,6 +90,14 @@ level_kernel(const scalar_t* __restrict__ x, RowState* __restrict__ state, doubl
                                            t_in[r], first_hist, later_hist, tmp.scan, sel);
     if (blockIdx.x == 0 && threadIdx.x == 0) state[r] = proposed;
   }
+  // kScan: bit j set when this block arrived for its row j (blockIdx.y + j gridDim.y; rows past
+  // the 32nd are claimed regardless), so that a launch whose rows are settled claims nothing.
+  [[maybe_unused]] unsigned arrived = 0;
+  [[maybe_unused]] const auto arrive_row = [&](int64_t r) {
+    arrive(arrivals + r);
+    const int64_t j = (r - blockIdx.y) / gridDim.y;
+    if (j < 32) arrived |= 1u << j;
+  };
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const RowState st = propose ? proposed : state[r];
     if (st.status != kRefineMiddle && st.status != kRefineRow) continue;  // uniform across the block
@@ -90,6 +111,7 @@ level_kernel(const scalar_t* __restrict__ x, RowState* __restrict__ state, doubl
     const unsigned readers = gridDim.x < kMiddleBlocks ? gridDim.x : kMiddleBlocks;
     if (!from_row && blockIdx.x >= readers) {
       if (threadIdx.x == 0 && !bin_first) partial[slice_id] = LevelPartial{};
+      if constexpr (kScan) arrive_row(r);  // every block of the row arrives, these too
       continue;
     }
     if (!gather)
@@ -333,8 +355,17 @@ level_kernel(const scalar_t* __restrict__ x, RowState* __restrict__ state, doubl
       atomicAdd(&h[j].U, U);
       atomicAdd(&h[j].L, L);
     }
-    __syncthreads();
+    if constexpr (kScan) arrive_row(r);  // the bins and partials are in (its barrier: the bins are free)
+    else __syncthreads();
   }
+  // The scans, after the row loop: scan_row called inside it, or inlined, makes the tile loop
+  // spill more. A block claims only rows it arrived for (a settled row has no arrivals), so a
+  // launch over settled rows makes no atomics.
+  if constexpr (kScan)
+    for (int64_t r = blockIdx.y, j = 0; r < rows; r += gridDim.y, ++j)
+      if ((j >= 32 || (arrived >> j & 1u)) && claim(arrivals + r, gridDim.x, s_last))
+        scan_row<scalar_t, kLevelThreads>(sb.scan, r, state, hist + r * kBins, partial + r * gridDim.x, gridDim.x,
+                                          k_in, b_out, edge_out, diag, n, sign);
 }
 
 }  // namespace

@@ -47,6 +47,8 @@ struct LongRowsPlan {
   int levels;              // level launches
   bool sorted_middle;      // the gathered middle set is solved on chip after level 0
   bool preread;            // see rows_settled_early
+  bool fused_tail;         // each scan and the solve run in a block of the launch before theirs
+                           // (last_block.cuh): no scan or solve launches
 };
 
 // A call's plan: the regime and, on chip, the kernel instance and grid; else the long rows'.
@@ -131,6 +133,12 @@ LongRowsPlan plan_long_rows(int64_t rows, int64_t n, at::ScalarType dtype, bool 
   p.levels = 2 + digits_for(fp64 ? 64 : 32);
   p.sorted_middle = !sort && !fp64 && n <= tu.sorted_middle_max_n;  // fp64 rows (64-bit keys) bin
   p.preread = !p.sorted_middle;
+  // Fused, each level's scan and the solve cost no launch (several us of host time each in
+  // eager mode), but the fused level kernel's tile loop spills more (a call after it). A
+  // bracketed row's binning levels read its small middle set, or nothing once the sorted middle
+  // set has solved it; the radix bracket's levels stream the whole row, so past
+  // fused_sort_max_n those keep the separate launches.
+  p.fused_tail = !sort || n <= tu.fused_sort_max_n;
   return p;
 }
 

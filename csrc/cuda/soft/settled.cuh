@@ -2,6 +2,7 @@
 // it has nothing left to do for (what that rests on is spelled out below).
 #pragma once
 
+#include "../../common/cuda_launch.cuh"
 #include "params.cuh"
 
 namespace fastlapsum {
@@ -39,6 +40,22 @@ __device__ inline bool rows_settled_early(const RowState* state, int64_t first, 
     for (int64_t r = first; r < rows && all; r += stride) all = settled(__ldcg(&state[r].status));
   return __syncthreads_and(all) != 0;
 }
+
+// A launch of a CTA a row (rows blockIdx.x, + gridDim.x, ...): body(r) in every thread for
+// each row whose status `wants`, after the wait; with preread, a block whose rows are all
+// `settled` before the wait ends at it.
+template <typename Body>
+__device__ inline void for_each_row_cta(const RowState* state, int64_t rows, bool preread, bool (*settled)(int),
+                                        bool (*wants)(int), Body body) {
+  const bool skip = preread && rows_settled_early(state, blockIdx.x, gridDim.x, rows, settled);
+  begin_dependent_grid();
+  if (skip) return;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    if (wants(state[r].status)) body(r);  // uniform
+  }
+}
+__device__ inline bool refining(int status) { return !past_refine(status); }
+__device__ inline bool solving(int status) { return status == kSolveMiddle || status == kSolveRow; }
 
 }  // namespace
 }  // namespace fastlapsum

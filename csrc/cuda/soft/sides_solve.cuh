@@ -1,9 +1,11 @@
-// The last two launches: the sums on each side of the root's final gap (sides_kernel)
-// and their fold into the root (solve_kernel).
+// The last two phases: the sums on each side of the root's final gap (sides_kernel) and
+// their fold into the root (solve_row: in its own launch, solve_kernel, or in the sides
+// kernel's last block of the row when kSolve).
 #pragma once
 
 #include "../../common/cuda_launch.cuh"
 #include "bins.cuh"
+#include "last_block.cuh"
 #include "settled.cuh"
 
 namespace fastlapsum {
@@ -17,23 +19,76 @@ __device__ inline bool flat_sides(const RowState& st, double inv_t) {
          (st.above0.ref - st.below0.ref) * inv_t <= kFlatSpan;
 }
 
+// A block's reduction scratch (a value per warp): the sides' and the solve's.
+template <int kThreads>
+union SidesScratch {
+  GapSides atoms[kThreads / 32];
+  FlatSides flat[kThreads / 32];
+};
+
+// The solve of row r (its gap found): its `parts` sides partials folded in a fixed order,
+// rescaled to the nearest scores and solved; writes b, edge, diag and the state (done). Every
+// thread of the block calls it. It reads the row's state itself (see scan_row).
+template <int kThreads>
+__device__ __noinline__ void solve_row(SidesScratch<kThreads>& scratch, int64_t r, RowState* __restrict__ state,
+                                       const SidesPartial* __restrict__ partial, int parts, double* __restrict__ b_out,
+                                       double* __restrict__ edge_out, int64_t* __restrict__ diag, double sign) {
+  RowState st = state[r];
+  const Atom none{0, 0, 0, 0, 0};
+  const double inv_t = inv_temperature(st.t);
+  GapSides g{none, none};
+  if (flat_sides(st, inv_t)) {  // uniform
+    FlatSides acc{0.0, 0.0, INFINITY, 0.0, 0.0, -INFINITY};
+    for (int c = threadIdx.x; c < parts; c += kThreads) acc = FlatSidesSum{}(acc, load_cg(partial + c).flat);
+    const FlatSides f = tree_reduce<kThreads>(acc, FlatSidesSum{}, scratch.flat);
+    // e^{(gap_hi - s)/t} = e^{(gap_hi - min)/t} e^{(min - s)/t}: the nearest score's term is 1
+    if (f.above_count > 0.0)
+      g.above = Atom{f.above_min, f.above_min, f.above_count, f.above_u * exp((f.above_min - st.gap_hi) * inv_t), 0.0};
+    if (f.below_count > 0.0)
+      g.below = Atom{f.below_max, f.below_max, f.below_count, 0.0, f.below_l * exp((st.gap_lo - f.below_max) * inv_t)};
+  } else {
+    const GapMerge merge{inv_t};
+    GapSides acc{none, none};
+    for (int c = threadIdx.x; c < parts; c += kThreads) acc = merge(acc, load_cg(partial + c).atoms);
+    g = tree_reduce<kThreads>(acc, merge, scratch.atoms);
+  }
+  if (threadIdx.x == 0) {
+    if (st.status == kSolveMiddle) {  // the scores outside the bracket
+      if (st.above0.count > 0.0)
+        atom_merge(g.above, Atom{st.above0.ref, st.above0.ref, st.above0.count, st.above0.sum, 0.0}, inv_t);
+      if (st.below0.sum > 0.0) atom_merge(g.below, Atom{st.below0.ref, st.below0.ref, 1.0, 0.0, st.below0.sum}, inv_t);
+    }
+    const double hi = g.above.count > 0.0 ? g.above.lo : INFINITY;
+    const double lo = g.below.count > 0.0 ? g.below.hi : -INFINITY;
+    b_out[r] = sign * solve_interval(g.above.count, g.above.U, g.below.L, hi, lo, st.k, st.t);
+    edge_out[r] = 1.0;
+    diag[3 * r] = st.path;
+    diag[3 * r + 1] = st.middle;
+    diag[3 * r + 2] = st.attempts;
+    st.status = kDone;
+    state[r] = st;
+  }
+  __syncthreads();
+}
+
 // Grid: [sides blocks, rows]; block j covers the middle slices (or row tiles) j, j + gridDim.x, ...
 // Fewer blocks than the level passes: for atom rows (not flat_sides) the merges of the block
-// reductions cost exps.
-template <typename scalar_t>
+// reductions cost exps. kSolve: the row's last block to finish solves it (last_block.cuh;
+// `arrivals`, a counter a row, zero before and after).
+template <typename scalar_t, bool kSolve>
 __global__ void __launch_bounds__(kLevelThreads)
-sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state, const double* __restrict__ middle,
+sides_kernel(const scalar_t* __restrict__ x, RowState* __restrict__ state, const double* __restrict__ middle,
              const unsigned* __restrict__ slice_count, int64_t cap, int chunks, SidesPartial* __restrict__ partial,
-             int64_t rows, int64_t n, double sign, bool preread) {
+             unsigned* __restrict__ arrivals, double* __restrict__ b_out, double* __restrict__ edge_out,
+             int64_t* __restrict__ diag, int64_t rows, int64_t n, double sign, bool preread) {
+  static_assert(kSolveThreads == kLevelThreads, "one block size: the fused solve folds as solve_kernel does");
   const bool settled = preread && rows_settled_early(state, blockIdx.y, gridDim.y, rows, is_done);
   begin_dependent_grid();
   if (settled) return;
   constexpr int V = vec_width<scalar_t>();
-  __shared__ union {
-    GapSides atoms[kLevelThreads / 32];
-    FlatSides flat[kLevelThreads / 32];
-  } scratch;
+  __shared__ SidesScratch<kLevelThreads> scratch;
   __shared__ unsigned s_count[kMaxSidesSlices];
+  __shared__ int s_last;
   const Atom none{0, 0, 0, 0, 0};
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const RowState st = state[r];
@@ -100,7 +155,12 @@ sides_kernel(const scalar_t* __restrict__ x, const RowState* __restrict__ state,
       const GapSides total = tree_reduce<kLevelThreads>(acc, GapMerge{inv_t}, scratch.atoms);
       if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x].atoms = total;
     }
-    __syncthreads();
+    if constexpr (kSolve) {  // every block of the row gets here (the status test above is the row's)
+      if (last_arrival(arrivals + r, gridDim.x, s_last))
+        solve_row<kLevelThreads>(scratch, r, state, partial + r * gridDim.x, gridDim.x, b_out, edge_out, diag, sign);
+    } else {
+      __syncthreads();
+    }
   }
 }
 
@@ -108,52 +168,10 @@ __global__ void __launch_bounds__(kSolveThreads)
 solve_kernel(RowState* __restrict__ state, const SidesPartial* __restrict__ partial, int parts,
              double* __restrict__ b_out, double* __restrict__ edge_out, int64_t* __restrict__ diag, int64_t rows,
              double sign, bool preread) {
-  const bool settled = preread && rows_settled_early(state, blockIdx.x, gridDim.x, rows, is_done);
-  begin_dependent_grid();
-  if (settled) return;
-  __shared__ union {
-    GapSides atoms[kSolveThreads / 32];
-    FlatSides flat[kSolveThreads / 32];
-  } scratch;
-  const Atom none{0, 0, 0, 0, 0};
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    RowState st = state[r];
-    if (st.status != kSolveMiddle && st.status != kSolveRow) continue;  // uniform
-    const double inv_t = inv_temperature(st.t);
-    GapSides g{none, none};
-    if (flat_sides(st, inv_t)) {  // uniform
-      FlatSides acc{0.0, 0.0, INFINITY, 0.0, 0.0, -INFINITY};
-      for (int c = threadIdx.x; c < parts; c += blockDim.x) acc = FlatSidesSum{}(acc, partial[r * parts + c].flat);
-      const FlatSides f = tree_reduce<kSolveThreads>(acc, FlatSidesSum{}, scratch.flat);
-      // e^{(gap_hi - s)/t} = e^{(gap_hi - min)/t} e^{(min - s)/t}: the nearest score's term is 1
-      if (f.above_count > 0.0)
-        g.above = Atom{f.above_min, f.above_min, f.above_count, f.above_u * exp((f.above_min - st.gap_hi) * inv_t), 0.0};
-      if (f.below_count > 0.0)
-        g.below = Atom{f.below_max, f.below_max, f.below_count, 0.0, f.below_l * exp((st.gap_lo - f.below_max) * inv_t)};
-    } else {
-      const GapMerge merge{inv_t};
-      GapSides acc{none, none};
-      for (int c = threadIdx.x; c < parts; c += blockDim.x) acc = merge(acc, partial[r * parts + c].atoms);
-      g = tree_reduce<kSolveThreads>(acc, merge, scratch.atoms);
-    }
-    if (threadIdx.x == 0) {
-      if (st.status == kSolveMiddle) {  // the scores outside the bracket
-        if (st.above0.count > 0.0)
-          atom_merge(g.above, Atom{st.above0.ref, st.above0.ref, st.above0.count, st.above0.sum, 0.0}, inv_t);
-        if (st.below0.sum > 0.0) atom_merge(g.below, Atom{st.below0.ref, st.below0.ref, 1.0, 0.0, st.below0.sum}, inv_t);
-      }
-      const double hi = g.above.count > 0.0 ? g.above.lo : INFINITY;
-      const double lo = g.below.count > 0.0 ? g.below.hi : -INFINITY;
-      b_out[r] = sign * solve_interval(g.above.count, g.above.U, g.below.L, hi, lo, st.k, st.t);
-      edge_out[r] = 1.0;
-      diag[3 * r] = st.path;
-      diag[3 * r + 1] = st.middle;
-      diag[3 * r + 2] = st.attempts;
-      st.status = kDone;
-      state[r] = st;
-    }
-    __syncthreads();
-  }
+  __shared__ SidesScratch<kSolveThreads> scratch;
+  for_each_row_cta(state, rows, preread, is_done, solving, [&](int64_t r) {
+    solve_row<kSolveThreads>(scratch, r, state, partial + r * parts, parts, b_out, edge_out, diag, sign);
+  });
 }
 
 }  // namespace

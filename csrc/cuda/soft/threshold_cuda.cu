@@ -13,28 +13,36 @@
 //  sorted   rows up to 2^21 scores, after the gathering level: one CTA per row sorts a middle
 //           set that fits it and solves the row (the short-row solver's sort and scan, with
 //           the tails), certifying the bracket, so that the launches after it skip the row.
-//  scan     one CTA per row, after every level but a gathering one: folds the tails; on the
-//           first binned level checks the certificate Psi(a_R) <= k <= Psi(a_L) (a failure,
-//           or a middle set too big for its slices, sends the row to the radix fallback
-//           over the whole row); then the closed-form
+//  scan     one CTA per row (or one of the level's blocks of it), after every level but a
+//           gathering one: folds the tails; on the first binned level checks the certificate
+//           Psi(a_R) <= k <= Psi(a_L) (a failure, or a middle set too big for its slices,
+//           sends the row to the radix fallback over the whole row); then the closed-form
 //           scan over the bins, in parallel: the root lies in a gap (solve it) or strictly
 //           inside one bin, whose key range the next level refines.
 //  sides    sums of the scores on each side of the final gap (against the gap's ends when
 //           the bracket is at most kFlatSpan temperatures wide, else as atoms against the
-//           nearest score), with fixed-order reductions; solve: one CTA per row folds them,
-//           rescales to the nearest scores and solves.
+//           nearest score), with fixed-order reductions; solve: one CTA per row (or the
+//           sides' last block of it) folds them, rescales to the nearest scores and solves.
 // Bins are summed with float atomics: they only locate the root. Every number the root is
 // computed from is reduced in a fixed order, so the answer is the same on every run.
 //
+// The fused tail (LongRowsPlan::fused_tail, the default): each scan runs in a block of the
+// level before it once all of the row's blocks are done, and the solve in the sides' last
+// block of the row (last_block.cuh), so the sequence is fill, [propose], level 0, [sorted], levels 1.., sides:
+// 2 + levels (+ propose, + sorted) launches instead of a scan after each binning level and a
+// solve more. Same bits either way (the same fold, at the same block size).
+//
 // Each phase's kernel is in its own header, compiled in this translation unit: propose.cuh,
 // gather_pass.cuh (level), sorted_middle.cuh, bin_scan.cuh (scan), sides_solve.cuh (sides,
-// solve); shared by them: params.cuh, bins.cuh, settled.cuh. This file: plan_soft_cuda (the
-// plan of every soft launch, arithmetic in plan_soft.h) and the launch sequence.
+// solve); shared by them: params.cuh, bins.cuh, settled.cuh, last_block.cuh. This file:
+// plan_soft_cuda (the plan of every soft launch, arithmetic in plan_soft.h) and the launch
+// sequence.
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cfloat>
+#include <cstdlib>
 #include <limits>
 #include <type_traits>
 #include <cub/block/block_reduce.cuh>
@@ -79,6 +87,12 @@ SoftPlan plan_soft_cuda(int64_t rows, int64_t n, at::ScalarType dtype, int64_t m
   };
   plan.long_rows = plan_long_rows(rows, n, dtype, plan.regime == kSoftRadixRows, sm_count(),
                                   soft_launch_tuning(compute_capability()), propose_wave);
+  // A benchmarking knob (docs/PERFORMANCE.md): FASTLAPSUM_FUSED_TAIL=0 launches each scan and the
+  // solve on their own, =1 fuses them. Read at every call (a getenv, well under a us), so that
+  // one process can time both sequences.
+  const char* fused = std::getenv("FASTLAPSUM_FUSED_TAIL");
+  if (fused != nullptr && (fused[0] == '0' || fused[0] == '1') && fused[1] == '\0')
+    plan.long_rows.fused_tail = fused[0] == '1';
   return plan;
 }
 
@@ -96,11 +110,14 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
                 "fastlapsum: internal: a long-row plan of another dtype");
     const auto bytes = [&](int64_t count) { return at::empty({count}, x.options().dtype(at::kByte)); };
     constexpr int kDigits = digits_for(KeyTraits<scalar_t>::kBits);
-    // One zeroed buffer (one fill): the bins, then propose's first-digit counts and barrier counters.
+    // One zeroed buffer (one fill): the bins, propose's first-digit counts and barrier counters,
+    // then the fused tail's arrival counters (a row's, put back to zero by the block that runs the row).
     // The fill is an ordinary launch before propose (or the gathering pass that proposes for
     // itself): level 0 relies on it (it reads x before its wait, see level_kernel).
     const int64_t hist_bytes = rows * kBins * int64_t(sizeof(BinSums));
-    at::Tensor zeroed = at::zeros({hist_bytes + (sort ? 0 : rows * kFirstHistWords * 4)}, x.options().dtype(at::kByte));
+    const int64_t first_bytes = sort ? 0 : rows * kFirstHistWords * 4;
+    const bool fused = plan.fused_tail;
+    at::Tensor zeroed = at::zeros({hist_bytes + first_bytes + (fused ? rows * 4 : 0)}, x.options().dtype(at::kByte));
     at::Tensor later_hist = bytes(sort ? 1 : rows * (kDigits - 1) * 2 * kBins * 4);
     at::Tensor state = bytes(rows * int64_t(sizeof(RowState)));
     at::Tensor partial = bytes(rows * chunks * int64_t(sizeof(LevelPartial)));
@@ -118,6 +135,7 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     const dim3 grid(static_cast<unsigned>(chunks), row_blocks);
     const bool self_propose = plan.self_propose;
     auto* first_hist = reinterpret_cast<unsigned*>(zp + hist_bytes);
+    auto* arrivals = fused ? reinterpret_cast<unsigned*>(zp + hist_bytes + first_bytes) : nullptr;
     auto* later = reinterpret_cast<unsigned*>(later_hist.mutable_data_ptr());
     if (!self_propose)
       launch_dependent(propose_kernel<scalar_t>,
@@ -131,22 +149,29 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     TORCH_CHECK(!plan.sorted_middle || sorted_middle != nullptr, "fastlapsum: internal: no sorted middle-set kernel");
     const bool preread = plan.preread;
     for (int level = 0; level < plan.levels; ++level) {
-      launch_dependent(level_kernel<scalar_t>, grid, kLevelThreads, 0, stream, xp, st, mp, cp, cap, hs, lp,
-                       k.const_data_ptr<double>(), t.const_data_ptr<double>(), first_hist, later, rows, n, sign, level,
+      const bool gathering = level == 0 && !sort;  // no scan follows it
+      // fused: a level block of each row scans it once the row's blocks are done, no scan launch
+      launch_dependent(fused && !gathering ? level_kernel<scalar_t, true> : level_kernel<scalar_t, false>, grid,
+                       kLevelThreads, 0, stream, xp, st, mp, cp, cap, hs, lp, k.const_data_ptr<double>(),
+                       t.const_data_ptr<double>(), first_hist, later, arrivals, bp, ep, dp, rows, n, sign, level,
                        preread && !(self_propose && level == 1), self_propose && level == 0);
-      if (level == 0 && !sort) {  // gathered only: level 1 bins the set, unless it is solved on chip here
+      if (gathering) {  // gathered only: level 1 bins the set, unless it is solved on chip here
         if (plan.sorted_middle)
           launch_dependent(sorted_middle, row_blocks, kSortedThreads, 0, stream, st, lp, static_cast<int>(chunks), mp,
                            cp, cap, k.const_data_ptr<double>(), bp, ep, dp, rows, n, sign);
         continue;
       }
-      launch_dependent(scan_kernel<scalar_t>, row_blocks, kScanThreads, 0, stream, st, hs, lp,
-                       static_cast<int>(chunks), k.const_data_ptr<double>(), bp, ep, dp, rows, n, sign, preread);
+      if (!fused)
+        launch_dependent(scan_kernel<scalar_t>, row_blocks, kScanThreads, 0, stream, st, hs, lp,
+                         static_cast<int>(chunks), k.const_data_ptr<double>(), bp, ep, dp, rows, n, sign, preread);
     }
-    launch_dependent(sides_kernel<scalar_t>, dim3(static_cast<unsigned>(side_blocks), row_blocks), kLevelThreads, 0,
-                     stream, xp, st, mp, cp, cap, static_cast<int>(chunks), sp, rows, n, sign, preread);
-    launch_dependent(solve_kernel, row_blocks, kSolveThreads, 0, stream, st, sp, static_cast<int>(side_blocks), bp, ep,
-                     dp, rows, sign, preread);
+    // fused: the sides' last block of each row solves it, no solve launch
+    launch_dependent(fused ? sides_kernel<scalar_t, true> : sides_kernel<scalar_t, false>,
+                     dim3(static_cast<unsigned>(side_blocks), row_blocks), kLevelThreads, 0, stream, xp, st, mp, cp,
+                     cap, static_cast<int>(chunks), sp, arrivals, bp, ep, dp, rows, n, sign, preread);
+    if (!fused)
+      launch_dependent(solve_kernel, row_blocks, kSolveThreads, 0, stream, st, sp, static_cast<int>(side_blocks), bp,
+                       ep, dp, rows, sign, preread);
   });
 }
 
