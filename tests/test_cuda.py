@@ -434,10 +434,13 @@ def test_fused_tail_same_bits(monkeypatch, rows, n, dtype, method, largest):
     want = fused_tail_outputs(monkeypatch, False, x, k, t, largest, method)
     got = fused_tail_outputs(monkeypatch, True, x, k, t, largest, method)
     assert_same_bits(got, want)
-    # the rows took the paths the cells are for: the bracket's fallback, the binning levels
+    # the rows took the paths the cells are for: the bracket, and its fallback to the radix
+    # levels (the constant row; on the H200 rows of 5000 certify it, so only longer rows count)
     path = got["diag"].view(rows, 3)[:, 0].cpu()
     if method == "bracket" and rows >= 3:
-        assert (path == fastlapsum.PATH_RADIX).any() and (path == fastlapsum.PATH_BRACKET).any(), path
+        assert (path == fastlapsum.PATH_BRACKET).any(), path
+        if n >= 65536:
+            assert (path == fastlapsum.PATH_RADIX).any(), path
 
 
 def test_fused_tail_cuda_graph(monkeypatch):
