@@ -46,7 +46,7 @@ LABELS = {"ours": "LapSumL0 (fastlapsum, exact-budget ST mask)",
           "pgd": "PGD-L0 (step size from calibration split)",
           "fb_fmn": "foolbox L0FMNAttack", "fb_bb": "foolbox L0BrendelBethgeAttack (from sigma-zero)",
           "al_fmn": "adv-lib fmn(norm=0)", "al_sigma0": "adv-lib sigma_zero"}
-# phase caps as shares of --time-budget (118 s on the GPU: inside gpu_run.sh's 140 s with
+# phase caps as shares of --time-budget (118 s on the GPU; BB's workers run to --bb-time, 230 s, inside gpu_run.sh's 260 s; with
 # ~12 s of imports); each is a guard well above the phase's estimated time
 SHARES = dict(train=0.19, al_sigma0=0.135, calibrate=0.085, ours=0.145, pgd=0.145, al_fmn=0.135,
               fb_fmn=0.17)

@@ -48,8 +48,8 @@ struct SoftLaunchTuning {
   double middle_slice_factor;     // a level block's middle slice: this many times the widest first
   int64_t middle_slice_slack;     //   bracket's expected share of its scores, plus this many
   int64_t sorted_middle_max_n;    // rows up to this long solve their gathered middle set on chip
-  int64_t fused_sort_max_n;       // radix-bracket rows (method "sort") up to this long fuse each scan
-                                  // and the solve into the launch before (bracket rows always do)
+  int64_t fused_max_n;            // rows up to this long fuse each scan and the solve into the
+                                  // launch before (longer rows: the fused level's tile loop spills)
   // The mask pass (mask_cuda.cu): blocks a row, scores a thread before a row takes more blocks.
   int64_t mask_scores_per_thread, mask_max_blocks;
   // The streaming VJP (vjp_cuda.cu): blocks a row as for the mask; rows of at most
@@ -66,7 +66,7 @@ inline constexpr SoftLaunchTuning kSoftLaunchSm90 = {
     /*middle_slice_factor=*/4.0,
     /*middle_slice_slack=*/1024,
     /*sorted_middle_max_n=*/int64_t(1) << 21,
-    /*fused_sort_max_n=*/int64_t(1) << 21,
+    /*fused_max_n=*/int64_t(1) << 21,
     /*mask_scores_per_thread=*/16,
     /*mask_max_blocks=*/4096,
     /*vjp_scores_per_thread=*/8,
