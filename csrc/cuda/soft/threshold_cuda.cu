@@ -26,7 +26,7 @@
 // Bins are summed with float atomics: they only locate the root. Every number the root is
 // computed from is reduced in a fixed order, so the answer is the same on every run.
 //
-// The fused tail (LongRowsPlan::fused_tail, the default): each scan runs in a block of the
+// The fused tail (LongRowsPlan::fused_tail: rows up to fused_max_n): each scan runs in a block of the
 // level before it once all of the row's blocks are done, and the solve in the sides' last
 // block of the row (last_block.cuh), so the sequence is fill, [propose], level 0, [sorted], levels 1.., sides:
 // 2 + levels (+ propose, + sorted) launches instead of a scan after each binning level and a
