@@ -490,7 +490,8 @@ def test_fused_tail_launches(monkeypatch):
     x = x.float()
 
     def kernels(fused, method):
-        monkeypatch.setenv("FASTLAPSUM_FUSED_TAIL", "1" if fused else "0")
+        if fused is not None:  # None: the plan's own choice
+            monkeypatch.setenv("FASTLAPSUM_FUSED_TAIL", "1" if fused else "0")
         ops.lapsum_threshold(x, k, t, True, METHOD[method])
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -504,6 +505,31 @@ def test_fused_tail_launches(monkeypatch):
     assert kernels(False, "bracket") == {"level": levels, "scan": levels - 1, "sides": 1, "solve": 1}
     assert kernels(True, "sort") == {"level": levels, "scan": 0, "sides": 1, "solve": 0}
     assert kernels(False, "sort") == {"level": levels, "scan": levels, "sides": 1, "solve": 1}
+    monkeypatch.delenv("FASTLAPSUM_FUSED_TAIL")
+    assert kernels(None, "bracket")["scan"] == 0  # the plan's own choice: fused up to 2^21 scores
+
+
+def test_fused_tail_only_up_to_its_bound(monkeypatch):
+    """Without the override, rows over SoftLaunchTuning::fused_max_n (2^21) launch their scans
+    and the solve on their own (their fused binning levels are slower), shorter rows do not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.delenv("FASTLAPSUM_FUSED_TAIL", raising=False)
+
+    def scans(n):
+        x = torch.randn(1, n, device="cuda")
+        k = torch.full((1,), n / 16, dtype=F64, device="cuda")
+        t = torch.ones(1, dtype=F64, device="cuda")
+        ops.lapsum_threshold(x, k, t, True, METHOD["bracket"])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            ops.lapsum_threshold(x, k, t, True, METHOD["bracket"])
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return sum("scan_kernel" in name or "solve_kernel" in name for name in names)
+
+    assert scans(1 << 21) == 0
+    assert scans((1 << 21) + 4096) > 0
 
 
 @pytest.mark.parametrize("method", ["bracket", "sort"])
