@@ -481,24 +481,30 @@ def test_fused_tail_cuda_graph(monkeypatch):
             assert_same_bits(static, step())
 
 
+def threshold_kernels(x, k, t, method):
+    """The long-row solver's kernels that one lapsum_threshold call launches, by kind (after a
+    warm-up call), from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ops.lapsum_threshold(x, k, t, True, METHOD[method])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ops.lapsum_threshold(x, k, t, True, METHOD[method])
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {kind: sum(f"{kind}_kernel" in name for name in names) for kind in ("level", "scan", "sides", "solve")}
+
+
 def test_fused_tail_launches(monkeypatch):
     """The override selects the sequence: fused, no scan or solve kernel runs; unfused, a scan
     after every binning level and one solve."""
-    from torch.profiler import ProfilerActivity, profile
-
     x, k, t = (a.cuda() for a in fused_tail_rows(2, 100_000, seed=95))
     x = x.float()
 
     def kernels(fused, method):
         if fused is not None:  # None: the plan's own choice
             monkeypatch.setenv("FASTLAPSUM_FUSED_TAIL", "1" if fused else "0")
-        ops.lapsum_threshold(x, k, t, True, METHOD[method])
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            ops.lapsum_threshold(x, k, t, True, METHOD[method])
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        return {kind: sum(f"{kind}_kernel" in name for name in names) for kind in ("level", "scan", "sides", "solve")}
+        return threshold_kernels(x, k, t, method)
 
     levels = 2 + 3  # fp32: the gathering level, then a level a digit of the radix fallback
     assert kernels(True, "bracket") == {"level": levels, "scan": 0, "sides": 1, "solve": 0}
@@ -512,21 +518,13 @@ def test_fused_tail_launches(monkeypatch):
 def test_fused_tail_only_up_to_its_bound(monkeypatch):
     """Without the override, rows over SoftLaunchTuning::fused_max_n (2^21) launch their scans
     and the solve on their own (their fused binning levels are slower), shorter rows do not."""
-    from torch.profiler import ProfilerActivity, profile
-
     monkeypatch.delenv("FASTLAPSUM_FUSED_TAIL", raising=False)
 
     def scans(n):
         x = torch.randn(1, n, device="cuda")
         k = torch.full((1,), n / 16, dtype=F64, device="cuda")
-        t = torch.ones(1, dtype=F64, device="cuda")
-        ops.lapsum_threshold(x, k, t, True, METHOD["bracket"])
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            ops.lapsum_threshold(x, k, t, True, METHOD["bracket"])
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        return sum("scan_kernel" in name or "solve_kernel" in name for name in names)
+        c = threshold_kernels(x, k, torch.ones(1, dtype=F64, device="cuda"), "bracket")
+        return c["scan"] + c["solve"]
 
     assert scans(1 << 21) == 0
     assert scans((1 << 21) + 4096) > 0
