@@ -69,13 +69,16 @@ def test_plans_cover_every_cuda_regime():
 
 def test_grid_wave_is_shared_by_the_rows():
     """The grid path gives each row its share of one wave of resident CTAs (at least one, at
-    most a tile of 1024 vectors each); the per-row kernel's plan ignores the device."""
+    most a tile of 1024 vectors each); the per-row kernel's plan depends on the device only
+    through the 16-bit build choice (the 256-thread build for more than two rows an SM)."""
     for per_sm, want in ((1, 132), (3, 396), (4, 528)):
         assert plan(1, 100_000_000, 1000, F32, False, False, per_sm=per_sm)["blocks"] == want
     assert plan(16, 1 << 20, 100, F32, True, False, sms=2, per_sm=1)["blocks"] == 1
     assert plan(1, 1 << 16, 20000, F32, False, False, sms=1000)["blocks"] == 16  # 2^16 / 4 / 1024
     row = plan(128, 1 << 16, 100, F32, False, False)
     assert row == plan(128, 1 << 16, 100, F32, False, False, sms=1, per_sm=1)
+    assert plan(128, 1 << 16, 2048, F16, False, False, sms=64)["threads"] == 512  # 128 rows: two an SM
+    assert plan(128, 1 << 16, 2048, F16, False, False, sms=63)["threads"] == 256
 
 
 def test_hard_mask_bound_beyond_the_row_bounds_nothing():
