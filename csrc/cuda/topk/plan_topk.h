@@ -62,14 +62,18 @@ inline int64_t topk_row_cap(bool mask, int64_t K) {
   return std::max<int64_t>(Tu::kRowCapMin, std::min<int64_t>(cap, Tu::kRowCapMax));
 }
 
-// Whether the per-row kernel runs as the 256-thread build (four CTAs an SM; a buffer of at most
-// kQuarterCap): topk on 16-bit scores (the only instantiations of that build) whose sampled
-// path fits that buffer, in batches of more rows than the 512-thread build runs in one wave
+// Whether a call could run the per-row kernel's 256-thread build (four CTAs an SM; a buffer of
+// at most kQuarterCap): topk on 16-bit scores (the only instantiations of that build) whose
+// sampled path fits that buffer.
+inline bool topk_quarter_fits(int64_t elem_bytes, bool mask, int64_t K) {
+  return !mask && elem_bytes == 2 && sample_fits(static_cast<double>(K), static_cast<double>(kQuarterCap));
+}
+
+// Whether it does: in batches of more rows than the 512-thread build runs in one wave
 // (kQuarterMinRowsPerSm an SM: with fewer, a row streams at its CTA's loads in flight, which
 // the 256-thread build halves).
 inline bool topk_quarter_build(int64_t elem_bytes, bool mask, int64_t K, int64_t rows, int64_t sms) {
-  return !mask && elem_bytes == 2 && sample_fits(static_cast<double>(K), static_cast<double>(kQuarterCap)) &&
-         rows > TopkTuning::kQuarterMinRowsPerSm * sms;
+  return topk_quarter_fits(elem_bytes, mask, K) && rows > TopkTuning::kQuarterMinRowsPerSm * sms;
 }
 
 // Few long rows (rows <= 64, n >= 2^16): the grid path or the per-row kernel, whichever a
@@ -87,8 +91,7 @@ inline bool topk_use_grid_path(int64_t rows, int64_t n, int64_t K, int64_t elem_
   // The row kernel's rate as fitted: 16-bit scores with the 256-thread build's loads in flight.
   // Rows this few run the 512-thread build (topk_quarter_build), which streams faster, so the
   // estimate errs only towards the grid path, where it was measured to win.
-  const bool fitted_quarter = !mask && elem_bytes == 2 && sample_fits(static_cast<double>(K), static_cast<double>(kQuarterCap));
-  const double threads = fitted_quarter ? kBlock / 2 : kBlock;
+  const double threads = topk_quarter_fits(elem_bytes, mask, K) ? kBlock / 2 : kBlock;
   const double in_flight = threads * row_unroll_for(elem_bytes) * 16.0;  // bytes
   const double row_us = Tu::kRowFixedUs + Tu::kRowRoundTripUs * static_cast<double>(n) * elem_bytes / in_flight;
   const double grid_us = Tu::kGridFixedUs + static_cast<double>(rows) * static_cast<double>(n) / Tu::kGridScoresPerUs;
