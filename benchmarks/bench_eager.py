@@ -25,6 +25,16 @@ k and the temperature are Python scalars, as a user passes them.
 
 --profile writes a torch.profiler table of 20 forward + autograd.grad calls at the first
 shape (ops and kernel launches by self CPU time) to eager_profile_<device>.txt next to the JSON.
+
+--host (CUDA) also writes eager_host_<device>.json: the host's own cost of one call, split,
+as the enqueue time per call of `HOST_CALLS` calls issued while the device is kept busy (so
+no call waits for the GPU and the launch queue never fills), µs:
+
+  soft_fwd_host_us          soft_topk forward
+  soft_fwd_bwd_host_us      forward + autograd.grad
+  vjp_op_host_us            the fused VJP op called directly (torch.ops.fastlapsum.soft_topk_backward)
+  soft_grad_host_us         autograd.grad over a retained soft_topk graph (the engine + our backward)
+  sigmoid_grad_host_us      autograd.grad over a retained sigmoid graph: the engine's own cost
 """
 from __future__ import annotations
 
@@ -164,6 +174,45 @@ def profile_table(rows: int, n: int, k: int, dev: torch.device) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
 
 
+HOST_CALLS = 40  # enqueued per timing: ~12 launches a call stays below the launch queue's depth
+
+
+def host_us(fn: Callable[[], object], repeats: int = 7) -> float:
+    """Host time per call with the device busy (torch.cuda._sleep): what the host spends
+    issuing one call, never waiting for the GPU. Min over repeats."""
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of device time
+        t0 = time.perf_counter()
+        for _ in range(HOST_CALLS):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / HOST_CALLS * 1e6)
+    torch.cuda.synchronize()
+    return best
+
+
+def host_row(rows: int, n: int, k: int, dev: torch.device) -> dict:
+    x = torch.randn(rows, n, device=dev)
+    xg = x.clone().requires_grad_()
+    g = torch.randn_like(x)
+    p_graph = fastlapsum.soft_topk(xg, k, 1.0)
+    s_graph = torch.sigmoid(xg)
+    f64 = dict(device=dev, dtype=torch.float64)
+    b = fastlapsum.lapsum_threshold(x, k, 1.0)
+    t = torch.ones(rows, **f64)
+    return dict(
+        rows=rows, n=n, k=k,
+        soft_fwd_host_us=host_us(lambda: fastlapsum.soft_topk(x, k, 1.0)),
+        soft_fwd_bwd_host_us=host_us(lambda: torch.autograd.grad(fastlapsum.soft_topk(xg, k, 1.0), xg, g)),
+        vjp_op_host_us=host_us(lambda: torch.ops.fastlapsum.soft_topk_backward(g, x, b, t, True, False)),
+        soft_grad_host_us=host_us(lambda: torch.autograd.grad(p_graph, xg, g, retain_graph=True)),
+        sigmoid_grad_host_us=host_us(lambda: torch.autograd.grad(s_graph, xg, g, retain_graph=True)),
+    )
+
+
 def _shape(text: str) -> tuple[int, int, int]:
     rows_n, k = text.split(":")
     rows, n = rows_n.lower().split("x")
@@ -183,6 +232,7 @@ def main() -> None:
     ap.add_argument("--shape", type=_shape, action="append", default=None, metavar="ROWSxN:K",
                     help="shapes to run instead of the issue's three (repeatable), e.g. 16x64:8")
     ap.add_argument("--profile", action="store_true", help="also write a profiler table of the first shape")
+    ap.add_argument("--host", action="store_true", help="(CUDA) also write the host cost split, eager_host_<tag>.json")
     args = ap.parse_args()
     shapes = args.shape or SHAPES
     dev = torch.device(args.device)
@@ -204,6 +254,13 @@ def main() -> None:
                         rows=out_rows)
     path = args.out or os.path.join(HERE, "results", f"eager_{tag}.json")
     write_json(result, path)
+    if args.host and dev.type == "cuda":
+        host_rows = [host_row(rows, n, k, dev) for rows, n, k in shapes]
+        for r in host_rows:
+            print("host µs  " + "  ".join(f"{c}={v:.1f}" if isinstance(v, float) else f"{c}={v}" for c, v in r.items()))
+        write_json(run_record(dev, timing=f"host enqueue time per call of {HOST_CALLS} calls with the device kept "
+                                          f"busy, min over 7 repeats (µs)", rows=host_rows),
+                   os.path.join(os.path.dirname(path), f"eager_host_{tag}.json"))
     if args.profile:
         prof_path = os.path.join(os.path.dirname(path), f"eager_profile_{tag}.txt")
         with open(prof_path, "w") as f:

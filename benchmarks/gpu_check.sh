@@ -58,7 +58,7 @@ for step in $STEPS; do
     demo) run demo 300 $PY examples/demo.py ;;
     bench) run bench_soft "${BENCH_TIMEOUT:-420}" $PY benchmarks/bench_soft_topk.py ${BENCH_ARGS:-} --out "$L/soft_topk_h200.json" ;;
     user_shapes) run user_shapes 300 $PY benchmarks/bench_user_shapes.py --out "$L/user_shapes_h200.json" ;;
-    eager) run eager 200 $PY benchmarks/bench_eager.py --device cuda --out "$L/eager_h200.json" ;;
+    eager) run eager 200 $PY benchmarks/bench_eager.py --device cuda --host --out "$L/eager_h200.json" ;;
     topk_long_rows) run topk_long_rows 200 $PY benchmarks/bench_topk_long_rows.py --out "$L/topk_long_rows_h200.json" ;;
     sanitize)  # memcheck over every kernel on small awkward shapes (tools/sanitize_smoke.py)
       SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
