@@ -44,7 +44,8 @@ FLASHINFER_MAX_N = 4_000_000
 
 
 def flashinfer_top_k():
-    """flashinfer.top_k, or None where it is not installed (see ../shared/wheels/README.md)."""
+    """flashinfer.top_k, or None where it is not installed. On a machine without network the
+    wheels travel in .whl/ and benchmarks/gpu_check.sh installs them (docs/PERFORMANCE.md)."""
     os.environ.setdefault("FLASHINFER_DISABLE_JIT", "1")
     if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
         os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")

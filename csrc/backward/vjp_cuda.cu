@@ -50,10 +50,8 @@ __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scala
                                                                    const int(&valid)[U], int64_t) {
           float xs[kGroup], gs[kGroup];
           bool ok[kGroup];  // a prefix: a tile's vectors run along the row
-          int count = 0;
 #pragma unroll
           for (int u = 0; u < U; ++u) {
-            count += valid[u];
 #pragma unroll
             for (int q = 0; q < V; ++q) {
               xs[u * V + q] = xv[u][q];
@@ -61,14 +59,14 @@ __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scala
               ok[u * V + q] = q < valid[u];
             }
           }
-          acc.merge(row_group_sums<kGroup>(row, xs, gs, ok, count, log_mode), inv_t, ExpNegF32{});
+          acc.merge(row_group_sums<kGroup>(row, xs, gs, ok, log_mode), inv_t, ExpNegF32{});
         });
       } else {
         stream_row<scalar_t, float>(x + r * n, gr, n, [&](const float(&xv)[V], const float(&gv)[V], int valid, int64_t) {
           bool ok[V];
 #pragma unroll
           for (int q = 0; q < V; ++q) ok[q] = q < valid;
-          acc.merge(row_group_sums<V>(row, xv, gv, ok, valid, log_mode), inv_t, ExpNegF32{});
+          acc.merge(row_group_sums<V>(row, xv, gv, ok, log_mode), inv_t, ExpNegF32{});
         });
       }
     }

@@ -26,36 +26,60 @@ struct VjpSumOp {
   }
 };
 
-__device__ __forceinline__ VjpSums shfl_down_sums(const VjpSums& s, int off) {
-  VjpSums o;
-  o.m = __shfl_down_sync(0xffffffffu, s.m, off);
-  o.dref = __shfl_down_sync(0xffffffffu, s.dref, off);
-  o.tw = __shfl_down_sync(0xffffffffu, s.tw, off);
-  o.G = __shfl_down_sync(0xffffffffu, s.G, off);
-  o.twd = __shfl_down_sync(0xffffffffu, s.twd, off);
-  o.Gd = __shfl_down_sync(0xffffffffu, s.Gd, off);
-  o.Ga = __shfl_down_sync(0xffffffffu, s.Ga, off);
-  o.Gad = __shfl_down_sync(0xffffffffu, s.Gad, off);
-  return o;
+// Row reductions of vjp_rows_kernel. Every thread of the row ends with the same bits: a
+// butterfly across the warp (nearer() is a total order and + commutes, so both partners of a
+// pair compute the same value), then, for a CTA row, every thread reading the warps' slots in
+// order. So every thread can compute the row's coefficients itself, with no broadcast.
+__device__ __forceinline__ Nearest shfl_xor(const Nearest& v, int m) {
+  return Nearest{__shfl_xor_sync(0xffffffffu, v.a, m), __shfl_xor_sync(0xffffffffu, v.d, m)};
 }
-__device__ __forceinline__ RowVjp shfl_row(const RowVjp& v) {
-  RowVjp o;
-  o.grad_k = __shfl_sync(0xffffffffu, v.grad_k, 0);
-  o.grad_t = __shfl_sync(0xffffffffu, v.grad_t, 0);
-  o.K = __shfl_sync(0xffffffffu, v.K, 0);
-  o.c = __shfl_sync(0xffffffffu, v.c, 0);
-  o.E = __shfl_sync(0xffffffffu, v.E, 0);
-  o.inv_t = __shfl_sync(0xffffffffu, v.inv_t, 0);
-  o.m = __shfl_sync(0xffffffffu, v.m, 0);
-  o.log_mode = __shfl_sync(0xffffffffu, v.log_mode, 0);
-  o.nan = __shfl_sync(0xffffffffu, v.nan, 0);
-  return o;
+template <int kRowThreads>
+__device__ __forceinline__ Nearest row_nearest(Nearest v, Nearest* slots) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v = nearer(v, shfl_xor(v, m));
+  if constexpr (kRowThreads > 32) {
+    if ((threadIdx.x & 31) == 0) slots[threadIdx.x / 32] = v;
+    __syncthreads();
+    v = slots[0];
+#pragma unroll
+    for (int w = 1; w < kRowThreads / 32; ++w) v = nearer(v, slots[w]);
+  }
+  return v;
+}
+
+// S: SumsF32 or VjpSums (its sums; m and dref are the row's, the same in every thread)
+template <typename S>
+__device__ __forceinline__ void add_sums(S& a, const S& b) {
+  a.tw += b.tw; a.G += b.G; a.twd += b.twd; a.Gd += b.Gd; a.Ga += b.Ga; a.Gad += b.Gad;
+}
+template <int kRowThreads, typename S>
+__device__ __forceinline__ S row_sums(S s, S* slots) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) {
+    S o = s;
+    o.tw = __shfl_xor_sync(0xffffffffu, s.tw, m);
+    o.G = __shfl_xor_sync(0xffffffffu, s.G, m);
+    o.twd = __shfl_xor_sync(0xffffffffu, s.twd, m);
+    o.Gd = __shfl_xor_sync(0xffffffffu, s.Gd, m);
+    o.Ga = __shfl_xor_sync(0xffffffffu, s.Ga, m);
+    o.Gad = __shfl_xor_sync(0xffffffffu, s.Gad, m);
+    add_sums(s, o);
+  }
+  if constexpr (kRowThreads > 32) {
+    if ((threadIdx.x & 31) == 0) slots[threadIdx.x / 32] = s;
+    __syncthreads();
+    s = slots[0];
+#pragma unroll
+    for (int w = 1; w < kRowThreads / 32; ++w) add_sums(s, slots[w]);
+  }
+  return s;
 }
 
 // Rows of at most kRowThreads * kItems scores, kRowThreads (32: a warp, or the block)
 // threads a row; element i of a row is item i / kRowThreads of thread i % kRowThreads
-// (coalesced). The row's sums reduce in a fixed order (a warp tree, then the warps in
-// order), so the answer is the same every run.
+// (coalesced). Two passes over the registers: the row's element nearest b, then every sum
+// about it (plain adds, no rescaling), so the reductions are a minimum and six sums; the
+// answer is the same every run.
 template <typename scalar_t, int kItems, int kRowThreads>
 __global__ void __launch_bounds__(kRowsBlockThreads) vjp_rows_kernel(
     const scalar_t* __restrict__ grad, const double* __restrict__ grad_b, const scalar_t* __restrict__ x,
@@ -64,12 +88,12 @@ __global__ void __launch_bounds__(kRowsBlockThreads) vjp_rows_kernel(
   static_assert(kRowThreads == 32 || kRowThreads == kRowsBlockThreads, "a warp or the block per row");
   begin_dependent_grid();
   using Val = compute_t<scalar_t>;
-  constexpr int G = kItems < kGroup ? kItems : kGroup;
+  using Sums = std::conditional_t<std::is_same<scalar_t, double>::value, VjpSums, SumsF32>;
   constexpr int kRowsPerBlock = kRowsBlockThreads / kRowThreads;
-  constexpr int kWarps = kRowsBlockThreads / 32;
-  __shared__ VjpSums warp_sums[kRowThreads == 32 ? 1 : kWarps];
-  __shared__ RowVjp row_coef;
-  const int lane = threadIdx.x & 31, tid = threadIdx.x % kRowThreads;
+  constexpr int kSlots = kRowThreads == 32 ? 1 : kRowThreads / 32;
+  __shared__ Nearest near_slots[kSlots];
+  __shared__ Sums sum_slots[kSlots];
+  const int tid = threadIdx.x % kRowThreads;
   for (int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kRowThreads; r < rows;
        r += int64_t(gridDim.x) * kRowsPerBlock) {  // uniform across the block when kRowsPerBlock == 1
     const scalar_t* xr = x + r * n;
@@ -84,49 +108,39 @@ __global__ void __launch_bounds__(kRowsBlockThreads) vjp_rows_kernel(
       xv[q] = ok[q] ? static_cast<Val>(xr[i]) : Val(0);
       gv[q] = ok[q] && gr != nullptr ? static_cast<Val>(gr[i]) : Val(0);
     }
-    VjpSums acc;
+    VjpSums s;
     if constexpr (std::is_same<scalar_t, double>::value) {
+      Nearest near;
+#pragma unroll
+      for (int q = 0; q < kItems; ++q) {
+        const VjpTerm e = vjp_term(sign * xv[q], br, inv_t, 0.0, false);  // a and d only
+        if (ok[q]) near = nearer(near, Nearest{e.a, e.d});
+      }
+      const Nearest ref = row_nearest<kRowThreads>(near, near_slots);
+      VjpSums acc;  // about the row's nearest: add() never rescales
+      if (ref.a < INFINITY) {
+        acc.m = ref.a;
+        acc.dref = ref.d;
+      }
 #pragma unroll
       for (int q = 0; q < kItems; ++q)
         if (ok[q]) acc.add(vjp_term(sign * xv[q], br, inv_t, gv[q], log_mode), inv_t);
+      s = row_sums<kRowThreads>(acc, sum_slots);
     } else {
       const RowF32 row(sign, br, inv_t);
-#pragma unroll
-      for (int q0 = 0; q0 < kItems; q0 += G) {
-        float xs[G], gs[G];
-        bool oks[G];
-        int valid = 0;  // a thread's valid items are a prefix
-#pragma unroll
-        for (int q = 0; q < G; ++q) {
-          xs[q] = xv[q0 + q];
-          gs[q] = gv[q0 + q];
-          oks[q] = ok[q0 + q];
-          valid += oks[q];
-        }
-        acc.merge(row_group_sums<G>(row, xs, gs, oks, valid, log_mode), inv_t, ExpNegF32{});
+      Nearest ref;
+      SumsF32 part;
+      if (row.pairs) {
+        ref = row_nearest<kRowThreads>(nearest_pairs<kItems>(row, xv, ok), near_slots);
+        part = sums_about_pairs<kItems>(row, split(ref.d), xv, gv, ok, log_mode);
+      } else {
+        ref = row_nearest<kRowThreads>(nearest_f64d<kItems>(row, xv, ok), near_slots);
+        part = sums_about_f64d<kItems>(row, ref, xv, gv, ok, log_mode);
       }
+      s = row_sums<kRowThreads>(part, sum_slots).about(ref.a, ref.d);
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {  // a fixed tree towards lane 0
-      const VjpSums o = shfl_down_sums(acc, off);
-      if (lane < off) acc.merge(o, inv_t);
-    }
-    RowVjp v{};
-    if constexpr (kRowThreads == 32) {
-      if (lane == 0) v = grad != nullptr ? mask_vjp(acc, br, tr, log_mode) : threshold_vjp(acc, grad_b[r], br, tr, sign);
-      v = shfl_row(v);
-    } else {
-      if (lane == 0) warp_sums[threadIdx.x / 32] = acc;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        VjpSums s = warp_sums[0];
-        for (int w = 1; w < kWarps; ++w) s.merge(warp_sums[w], inv_t);
-        row_coef = grad != nullptr ? mask_vjp(s, br, tr, log_mode) : threshold_vjp(s, grad_b[r], br, tr, sign);
-      }
-      __syncthreads();
-      v = row_coef;
-      __syncthreads();  // row_coef and warp_sums are rewritten by the next row
-    }
+    // every thread: the same sums, so the same coefficients
+    const RowVjp v = grad != nullptr ? mask_vjp(s, br, tr, log_mode) : threshold_vjp(s, grad_b[r], br, tr, sign);
     if (tid == 0) {
       gk[r] = v.grad_k;
       gt[r] = v.grad_t;

@@ -78,84 +78,19 @@ struct RowF32 {
   __device__ __forceinline__ float exp_neg_f64d(double x) const { return exp2_neg(x * fmin(inv_t * kLog2e, 1.7976931348623157e308)); }
 };
 
-// The sums of a group of G elements (valid[q]: element q exists), relative to the group's
-// nearest element. Two passes over registers: the nearest, then the sums in fp32.
-template <int G>
-__device__ __forceinline__ VjpSums group_sums(const RowF32& row, const float (&xv)[G], const float (&gv)[G],
-                                              const bool (&valid)[G], bool log_mode) {
-  F2 d[G];
-  float key[G];
-  float kmin = INFINITY;
-  F2 ref{0.0f, 0.0f};
-#pragma unroll
-  for (int q = 0; q < G; ++q) {
-    d[q] = row.dist(xv[q]);
-    key[q] = valid[q] && fabsf(d[q].hi) <= FLT_MAX ? fabsf(approx(d[q])) : INFINITY;
-    if (key[q] < kmin) {
-      kmin = key[q];
-      ref = d[q];
-    }
-  }
-  VjpSums v;
-  if (!(kmin < INFINITY)) return v;
-  const F2 aref = abs2(ref);
-  float tw = 0.0f, G_ = 0.0f, twd = 0.0f, Gd = 0.0f, Ga = 0.0f, Gad = 0.0f;
-#pragma unroll
-  for (int q = 0; q < G; ++q) {
-    if (!(key[q] < INFINITY)) continue;
-    const float wh = exp2_f(fmaf(-sub2(abs2(d[q]), aref), row.l2, -1.0f));  // e^{-(|d| - m)/t} / 2
-    const float dd = sub2(d[q], ref);
-    float gw = gv[q];
+// Sums of elements about a reference element, in fp32 (the fields of VjpSums past m and dref).
+struct SumsF32 {
+  float tw = 0.0f, G = 0.0f, twd = 0.0f, Gd = 0.0f, Ga = 0.0f, Gad = 0.0f;
+  // one element of weight wh, offset dd from the reference, upstream g, distance d > 0 or not
+  __device__ __forceinline__ void add(float wh, float dd, float g, bool above, bool log_mode, float p) {
+    float gw = g;
     if (log_mode) {
-      if (approx(d[q]) <= 0.0f) {  // log p = u + log 1/2: an absolute term
-        Ga += gv[q];
-        Gad += gv[q] * dd;
+      if (!above) {  // log p = u + log 1/2: an absolute term
+        Ga += g;
+        Gad += g * dd;
         gw = 0.0f;
       } else {  // d log p / d u = tw / p
-        gw = gv[q] / (1.0f - 0.5f * exp2_f(-key[q] * row.l2));
-      }
-    }
-    tw += wh;
-    twd += wh * dd;
-    G_ += gw * wh;
-    Gd += gw * wh * dd;
-  }
-  v.m = exact(aref);
-  v.dref = exact(ref);
-  v.tw = tw; v.G = G_; v.twd = twd; v.Gd = Gd; v.Ga = Ga; v.Gad = Gad;
-  return v;
-}
-
-// The same with fp64 distances (rows outside the pairs' range): relative to the vector's
-// nearest element, d recomputed in the second pass (an fp64 array would halve occupancy).
-template <int V>
-__device__ __forceinline__ VjpSums vector_sums_f64d(const RowF32& row, const float (&xv)[V], const float (&gv)[V],
-                                                    int valid, bool log_mode) {
-  double amin = INFINITY, dref = 0.0;
-#pragma unroll
-  for (int q = 0; q < V; ++q) {
-    const double d = row.dist_f64d(xv[q]), a = q < valid ? RowF32::abs_f64d(d) : INFINITY;
-    if (a < amin) {
-      amin = a;
-      dref = d;
-    }
-  }
-  VjpSums v;
-  if (!(amin < INFINITY)) return v;
-  float tw = 0.0f, G = 0.0f, twd = 0.0f, Gd = 0.0f, Ga = 0.0f, Gad = 0.0f;
-#pragma unroll
-  for (int q = 0; q < V; ++q) {
-    const double d = row.dist_f64d(xv[q]), a = q < valid ? RowF32::abs_f64d(d) : INFINITY;
-    if (!(a < INFINITY)) continue;
-    const float wh = 0.5f * row.exp_neg_f64d(a - amin), dd = static_cast<float>(d - dref);
-    float gw = gv[q];
-    if (log_mode) {
-      if (d <= 0.0) {
-        Ga += gv[q];
-        Gad += gv[q] * dd;
-        gw = 0.0f;
-      } else {
-        gw = gv[q] / (1.0f - 0.5f * row.exp_neg_f64d(a));
+        gw = g / p;
       }
     }
     tw += wh;
@@ -163,19 +98,113 @@ __device__ __forceinline__ VjpSums vector_sums_f64d(const RowF32& row, const flo
     G += gw * wh;
     Gd += gw * wh * dd;
   }
-  v.m = amin;
-  v.dref = dref;
-  v.tw = tw; v.G = G; v.twd = twd; v.Gd = Gd; v.Ga = Ga; v.Gad = Gad;
-  return v;
+  __device__ __forceinline__ void operator+=(const SumsF32& o) {
+    tw += o.tw; G += o.G; twd += o.twd; Gd += o.Gd; Ga += o.Ga; Gad += o.Gad;
+  }
+  // as VjpSums about the reference (|d| = m, d = dref); no reference (m = +inf): empty
+  __device__ __forceinline__ VjpSums about(double m, double dref) const {
+    VjpSums v;
+    if (!(m < INFINITY)) return v;
+    v.m = m;
+    v.dref = dref;
+    v.tw = tw; v.G = G; v.twd = twd; v.Gd = Gd; v.Ga = Ga; v.Gad = Gad;
+    return v;
+  }
+};
+
+// An element nearest b among some: its |d| (+inf: none weighted) and d. nearer() is a total
+// order (ties by d), so a reduction in any tree gives every lane the same element.
+struct Nearest {
+  double a = INFINITY, d = 0.0;
+};
+__device__ __forceinline__ Nearest nearer(const Nearest& x, const Nearest& y) {
+  return x.a < y.a || (x.a == y.a && x.d <= y.d) ? x : y;
 }
 
-// A group's sums by the row's rule, for every fp32/fp16/bf16 VJP kernel: float-pair distances
-// where the row allows them (RowF32::pairs), else fp64 distances. ok[q]: element q exists (a
-// prefix of the group), valid: how many.
+// The float-pair distance of an element and the fp32 key that orders it (+inf: no weight).
+__device__ __forceinline__ float pair_key(const F2& d, bool valid) {
+  return valid && fabsf(d.hi) <= FLT_MAX ? fabsf(approx(d)) : INFINITY;
+}
+// The pair of a double (the reference's, exact to ~2^-48 |d|).
+__device__ __forceinline__ F2 split(double v) {
+  const float hi = static_cast<float>(v);
+  return F2{hi, static_cast<float>(v - static_cast<double>(hi))};
+}
+
+// The nearest of N elements by float-pair distances (valid[q]: element q exists).
+template <int N>
+__device__ __forceinline__ Nearest nearest_pairs(const RowF32& row, const float (&xv)[N], const bool (&valid)[N]) {
+  float kmin = INFINITY;
+  F2 ref{0.0f, 0.0f};
+#pragma unroll
+  for (int q = 0; q < N; ++q) {
+    const F2 d = row.dist(xv[q]);
+    const float key = pair_key(d, valid[q]);
+    if (key < kmin) {
+      kmin = key;
+      ref = d;
+    }
+  }
+  return kmin < INFINITY ? Nearest{fabs(exact(ref)), exact(ref)} : Nearest{};
+}
+
+// The sums of N elements about the reference `ref` (an element nearest b, as a pair).
+template <int N>
+__device__ __forceinline__ SumsF32 sums_about_pairs(const RowF32& row, const F2& ref, const float (&xv)[N],
+                                                    const float (&gv)[N], const bool (&valid)[N], bool log_mode) {
+  const F2 aref = abs2(ref);
+  SumsF32 s;
+#pragma unroll
+  for (int q = 0; q < N; ++q) {
+    const F2 d = row.dist(xv[q]);
+    const float key = pair_key(d, valid[q]);
+    if (!(key < INFINITY)) continue;
+    const float wh = exp2_f(fmaf(-sub2(abs2(d), aref), row.l2, -1.0f));  // e^{-(|d| - m)/t} / 2
+    const bool above = approx(d) > 0.0f;
+    s.add(wh, sub2(d, ref), gv[q], above, log_mode, log_mode && above ? 1.0f - 0.5f * exp2_f(-key * row.l2) : 1.0f);
+  }
+  return s;
+}
+
+// The same two passes with fp64 distances (rows outside the pairs' range); d is recomputed
+// in the second pass (an fp64 array would halve occupancy).
+template <int N>
+__device__ __forceinline__ Nearest nearest_f64d(const RowF32& row, const float (&xv)[N], const bool (&valid)[N]) {
+  Nearest best;
+#pragma unroll
+  for (int q = 0; q < N; ++q) {
+    const double d = row.dist_f64d(xv[q]), a = valid[q] ? RowF32::abs_f64d(d) : INFINITY;
+    if (a < best.a) best = Nearest{a, d};
+  }
+  return best;
+}
+template <int N>
+__device__ __forceinline__ SumsF32 sums_about_f64d(const RowF32& row, const Nearest& ref, const float (&xv)[N],
+                                                   const float (&gv)[N], const bool (&valid)[N], bool log_mode) {
+  SumsF32 s;
+#pragma unroll
+  for (int q = 0; q < N; ++q) {
+    const double d = row.dist_f64d(xv[q]), a = valid[q] ? RowF32::abs_f64d(d) : INFINITY;
+    if (!(a < INFINITY)) continue;
+    const bool above = d > 0.0;
+    s.add(0.5f * row.exp_neg_f64d(a - ref.a), static_cast<float>(d - ref.d), gv[q], above, log_mode,
+          log_mode && above ? 1.0f - 0.5f * row.exp_neg_f64d(a) : 1.0f);
+  }
+  return s;
+}
+
+// A group's sums about its nearest element by the row's rule (streaming VJP): float-pair
+// distances where the row allows them (RowF32::pairs), else fp64 distances. ok[q]: element q
+// exists.
 template <int G>
 __device__ __forceinline__ VjpSums row_group_sums(const RowF32& row, const float (&xv)[G], const float (&gv)[G],
-                                                  const bool (&ok)[G], int valid, bool log_mode) {
-  return row.pairs ? group_sums<G>(row, xv, gv, ok, log_mode) : vector_sums_f64d<G>(row, xv, gv, valid, log_mode);
+                                                  const bool (&ok)[G], bool log_mode) {
+  if (row.pairs) {
+    const Nearest ref = nearest_pairs<G>(row, xv, ok);
+    return sums_about_pairs<G>(row, split(ref.d), xv, gv, ok, log_mode).about(ref.a, ref.d);
+  }
+  const Nearest ref = nearest_f64d<G>(row, xv, ok);
+  return sums_about_f64d<G>(row, ref, xv, gv, ok, log_mode).about(ref.a, ref.d);
 }
 
 // A row's coefficients of d L / d s_i (RowVjp::grad_score) in fp32, for the rows whose
