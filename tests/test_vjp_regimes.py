@@ -1,8 +1,9 @@
-"""The CUDA backward's regimes (csrc/backward/): a warp a row (n <= 1024), a CTA a row
+"""The CUDA backward's regimes (csrc/backward/): 8, 16 or 32 lanes a row (n <= 1024), a CTA a row
 (n <= 8192), the streaming reduce/apply with the partials folded in the apply blocks
 (<= 16 partials a row) or by the finalize kernel (more), each against the CPU op on the
 same inputs, for the three ops, both directions, fp64 / fp32 / bf16, and across every
-limit (n on both sides of 32, 64, 256, 1024, 4096, 8192)."""
+limit (n on both sides of 64, 128, 256, 512, 1024, 4096, 8192; rows = 3, so a warp of
+several rows has a group past the last row)."""
 import pytest
 import torch
 
@@ -10,7 +11,7 @@ import fastlapsum as fl
 from conftest import requires_cuda
 
 F64 = torch.float64
-SIZES = [1, 2, 33, 64, 65, 256, 257, 1024, 1025, 4096, 4097, 8192, 8193, 40000, 700_000]
+SIZES = [1, 2, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024, 1025, 4096, 4097, 8192, 8193, 40000, 700_000]
 OPS = {
     "soft": lambda x, k, t, largest: fl.soft_topk(x, k, t, largest=largest),
     "log": lambda x, k, t, largest: fl.log_soft_topk(x, k, t, largest=largest),

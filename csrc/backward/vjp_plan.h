@@ -16,7 +16,7 @@ constexpr int kVjpMaxItems = 32;        // scores a thread of vjp_rows_kernel, a
 
 struct VjpPlan {
   bool in_registers;   // vjp_rows_kernel
-  int row_threads;     //   32 (a warp a row) or kRowsBlockThreads (the CTA a row)
+  int row_threads;     //   8, 16 or 32 (lanes of a warp a row) or kRowsBlockThreads (the CTA a row)
   int items;           //   scores a thread
   unsigned blocks;     //   its grid
   dim3 grid;           // streaming: reduce and apply, [blocks a row, rows]
@@ -31,8 +31,15 @@ inline VjpPlan plan_vjp(int64_t rows, int64_t n, const SoftLaunchTuning& tu) {
   p.in_registers = n <= tu.vjp_cta_row_max;
   if (p.in_registers) {
     const bool warp = n <= tu.vjp_warp_row_max;
-    p.row_threads = warp ? 32 : kRowsBlockThreads;
-    p.items = warp ? (n <= 64 ? 2 : n <= 256 ? 8 : 32) : (n <= int64_t(kRowsBlockThreads) * 16 ? 16 : 32);
+    // A warp's rows: 8 to 32 scores a lane, in as few lanes as that allows (a row's
+    // coefficients are scalar fp64 work that its lanes all repeat).
+    if (warp) {
+      p.row_threads = n <= 64 ? 8 : n <= 256 ? 16 : 32;
+      p.items = n <= 128 ? 8 : n <= 512 ? 16 : 32;
+    } else {
+      p.row_threads = kRowsBlockThreads;
+      p.items = n <= int64_t(kRowsBlockThreads) * 16 ? 16 : 32;
+    }
     const int64_t per_block = kRowsBlockThreads / p.row_threads;
     p.blocks = static_cast<unsigned>(std::min<int64_t>((rows + per_block - 1) / per_block, 1 << 20));
     return p;

@@ -1,5 +1,5 @@
-// The CUDA VJPs of rows held in registers: a warp per row (n <= 1024) or a CTA per row
-// (n <= 8192). Each does reduce, coefficients and d L / d x in one launch for the whole
+// The CUDA VJPs of rows held in registers: 8, 16 or 32 lanes of a warp a row (n <= 1024) or
+// a CTA a row (n <= 8192). Each does reduce, coefficients and d L / d x in one launch for the whole
 // batch, reading the row and its upstream gradient once (the streaming path reads them
 // twice and gives a short row a block of mostly idle threads per launch).
 #pragma once
@@ -26,17 +26,20 @@ struct VjpSumOp {
   }
 };
 
-// Row reductions of vjp_rows_kernel. Every thread of the row ends with the same bits: a
-// butterfly across the warp (nearer() is a total order and + commutes, so both partners of a
-// pair compute the same value), then, for a CTA row, every thread reading the warps' slots in
-// order. So every thread can compute the row's coefficients itself, with no broadcast.
+// Row reductions of vjp_rows_kernel over kRowThreads threads (8, 16 or 32 lanes of a warp, or
+// the CTA). Every thread of the row ends with the same bits: a butterfly across the row's
+// lanes (nearer() is a total order and + commutes, so both partners of a pair compute the same
+// value), then, for a CTA row, every thread reading the warps' slots in order. So every thread
+// can compute the row's coefficients itself, with no broadcast.
+template <int kRowThreads>
+constexpr int kButterflyTop = (kRowThreads < 32 ? kRowThreads : 32) / 2;  // first xor distance
 __device__ __forceinline__ Nearest shfl_xor(const Nearest& v, int m) {
   return Nearest{__shfl_xor_sync(0xffffffffu, v.a, m), __shfl_xor_sync(0xffffffffu, v.d, m)};
 }
 template <int kRowThreads>
 __device__ __forceinline__ Nearest row_nearest(Nearest v, Nearest* slots) {
 #pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v = nearer(v, shfl_xor(v, m));
+  for (int m = kButterflyTop<kRowThreads>; m > 0; m >>= 1) v = nearer(v, shfl_xor(v, m));
   if constexpr (kRowThreads > 32) {
     if ((threadIdx.x & 31) == 0) slots[threadIdx.x / 32] = v;
     __syncthreads();
@@ -55,7 +58,7 @@ __device__ __forceinline__ void add_sums(S& a, const S& b) {
 template <int kRowThreads, typename S>
 __device__ __forceinline__ S row_sums(S s, S* slots) {
 #pragma unroll
-  for (int m = 16; m > 0; m >>= 1) {
+  for (int m = kButterflyTop<kRowThreads>; m > 0; m >>= 1) {
     S o = s;
     o.tw = __shfl_xor_sync(0xffffffffu, s.tw, m);
     o.G = __shfl_xor_sync(0xffffffffu, s.G, m);
@@ -75,9 +78,10 @@ __device__ __forceinline__ S row_sums(S s, S* slots) {
   return s;
 }
 
-// Rows of at most kRowThreads * kItems scores, kRowThreads (32: a warp, or the block)
-// threads a row; element i of a row is item i / kRowThreads of thread i % kRowThreads
-// (coalesced). Two passes over the registers: the row's element nearest b, then every sum
+// Rows of at most kRowThreads * kItems scores, kRowThreads (8, 16 or 32 lanes of a warp, or
+// the block) threads a row; element i of a row is item i / kRowThreads of thread i %
+// kRowThreads (coalesced). Fewer lanes a row spread a row's scalar work (its coefficients, in
+// fp64) over more scores. Two passes over the registers: the row's element nearest b, then every sum
 // about it (plain adds, no rescaling), so the reductions are a minimum and six sums; the
 // answer is the same every run.
 template <typename scalar_t, int kItems, int kRowThreads>
@@ -85,17 +89,22 @@ __global__ void __launch_bounds__(kRowsBlockThreads) vjp_rows_kernel(
     const scalar_t* __restrict__ grad, const double* __restrict__ grad_b, const scalar_t* __restrict__ x,
     const double* __restrict__ b, const double* __restrict__ t, scalar_t* __restrict__ gx, double* __restrict__ gk,
     double* __restrict__ gt, int64_t rows, int64_t n, double sign, bool log_mode) {
-  static_assert(kRowThreads == 32 || kRowThreads == kRowsBlockThreads, "a warp or the block per row");
+  static_assert(kRowThreads == 8 || kRowThreads == 16 || kRowThreads == 32 || kRowThreads == kRowsBlockThreads,
+                "8, 16 or 32 lanes, or the block, a row");
   begin_dependent_grid();
   using Val = compute_t<scalar_t>;
   using Sums = std::conditional_t<std::is_same<scalar_t, double>::value, VjpSums, SumsF32>;
   constexpr int kRowsPerBlock = kRowsBlockThreads / kRowThreads;
-  constexpr int kSlots = kRowThreads == 32 ? 1 : kRowThreads / 32;
+  constexpr int kSlots = kRowThreads <= 32 ? 1 : kRowThreads / 32;
   __shared__ Nearest near_slots[kSlots];
   __shared__ Sums sum_slots[kSlots];
   const int tid = threadIdx.x % kRowThreads;
-  for (int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kRowThreads; r < rows;
-       r += int64_t(gridDim.x) * kRowsPerBlock) {  // uniform across the block when kRowsPerBlock == 1
+  // The loop is uniform across the block: a group past the last row runs the row's
+  // reductions with no scores (its warp's shuffles need every lane) and stores nothing.
+  for (int64_t r0 = int64_t(blockIdx.x) * kRowsPerBlock; r0 < rows; r0 += int64_t(gridDim.x) * kRowsPerBlock) {
+    const int64_t r_own = r0 + threadIdx.x / kRowThreads;
+    const bool live = r_own < rows;
+    const int64_t r = live ? r_own : rows - 1;
     const scalar_t* xr = x + r * n;
     const scalar_t* gr = grad == nullptr ? nullptr : grad + r * n;
     const double br = sign * b[r], tr = t[r], inv_t = inv_temperature(tr);
@@ -104,7 +113,7 @@ __global__ void __launch_bounds__(kRowsBlockThreads) vjp_rows_kernel(
 #pragma unroll
     for (int q = 0; q < kItems; ++q) {
       const int64_t i = int64_t(q) * kRowThreads + tid;
-      ok[q] = i < n;
+      ok[q] = live && i < n;
       xv[q] = ok[q] ? static_cast<Val>(xr[i]) : Val(0);
       gv[q] = ok[q] && gr != nullptr ? static_cast<Val>(gr[i]) : Val(0);
     }
@@ -141,7 +150,7 @@ __global__ void __launch_bounds__(kRowsBlockThreads) vjp_rows_kernel(
     }
     // every thread: the same sums, so the same coefficients
     const RowVjp v = grad != nullptr ? mask_vjp(s, br, tr, log_mode) : threshold_vjp(s, grad_b[r], br, tr, sign);
-    if (tid == 0) {
+    if (live && tid == 0) {
       gk[r] = v.grad_k;
       gt[r] = v.grad_t;
     }
@@ -175,9 +184,13 @@ void launch_vjp_rows(const VjpPlan& plan, const BackwardIO& w, const scalar_t* g
                      w.gx.mutable_data_ptr<scalar_t>(), w.gk.mutable_data_ptr<double>(),
                      w.gt.mutable_data_ptr<double>(), rows, n, sign, log_mode);
   };
-  if (plan.row_threads == 32) {
-    if (plan.items == 2) launch(vjp_rows_kernel<scalar_t, 2, 32>);
-    else if (plan.items == 8) launch(vjp_rows_kernel<scalar_t, 8, 32>);
+  if (plan.row_threads == 8) {
+    launch(vjp_rows_kernel<scalar_t, 8, 8>);
+  } else if (plan.row_threads == 16) {
+    if (plan.items == 8) launch(vjp_rows_kernel<scalar_t, 8, 16>);
+    else launch(vjp_rows_kernel<scalar_t, 16, 16>);
+  } else if (plan.row_threads == 32) {
+    if (plan.items == 16) launch(vjp_rows_kernel<scalar_t, 16, 32>);
     else launch(vjp_rows_kernel<scalar_t, kVjpMaxItems, 32>);
   } else {
     if (plan.items == 16) launch(vjp_rows_kernel<scalar_t, 16, kRowsBlockThreads>);
