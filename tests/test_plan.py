@@ -11,8 +11,8 @@ import fastlapsum as fl
 from fastlapsum._ops import MODE_HARD
 from fastlapsum.reference import lapsum_threshold_reference, soft_topk_reference
 
-from conftest import (BUDGET_TOL, DTYPES, assert_exact_topk, budget_error, gen, mask_floor, outer_gap_test, requires_cuda,
-                      topk_oracle)
+from conftest import (BUDGET_TOL, DTYPES, assert_exact_topk, budget_error, gen, mask_floor, outer_gap_test,
+                      requires_cuda, topk_oracle)
 
 F32, F64 = torch.float32, torch.float64
 FP64_SORT = "sort"  # float64 topk on CUDA: the ATen sort path, whatever the shape

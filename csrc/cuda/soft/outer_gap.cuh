@@ -49,27 +49,30 @@ __device__ __forceinline__ GapSum group_sum(GapSum S) {
   return S;
 }
 
-// The root in the outer gap of a row held by a lane group (kItems keys a lane, any
-// arrangement, padding key 0), or NaN where it lies among the scores (the sort decides).
-// nf: the finite scores, kf: their budget (settle_row). The whole group calls; the answer is
-// the group's.
-template <typename Key, typename SK, int kItems, int kLanes>
-__device__ __forceinline__ double outer_gap_group(const Key (&keys)[kItems], double kf, double nf, double t) {
+// The root in the outer gap of a row held by a lane group, or NaN where it lies among the
+// scores (the sort decides). score(q): the lane's q-th signed score (NaN past the row);
+// key_min / key_max: the lane's finite keys' extremes (KeyStats); nf: the finite scores, kf:
+// their budget (settle_row). The whole group calls; the answer is the group's.
+template <typename SK, int kItems, int kLanes, typename Key, typename Score>
+__device__ __forceinline__ double outer_gap_group(const Score& score, Key key_min, Key key_max, double kf, double nf,
+                                                  double t) {
   const double side = outer_gap_side(kf, nf);
   const bool top = side > 0.0;
-  Key best = 0;
-#pragma unroll
-  for (int q = 0; q < kItems; ++q) {
-    const Key o = gap_key<Key, SK>(keys[q], top);
-    best = o > best ? o : best;
-  }
+  Key best = top ? key_max : static_cast<Key>(~key_min);  // a lane without finite scores: 0
 #if __CUDA_ARCH__ >= 800
   if constexpr (sizeof(Key) == 4) best = __reduce_max_sync(LaneGroup<kLanes>::mask(), best);
   else
 #endif
     best = group_fold<kLanes>(best, [](Key a, Key b) { return a > b ? a : b; });
   const double m = SK::value(top ? best : static_cast<Key>(~best));
-  const GapSum S = group_sum<kLanes>(gap_sum_part<Key, SK, kItems>(keys, top, m, GapExp(t)));
+  const GapExp e(t);
+  GapSum S{0, 0};
+#pragma unroll
+  for (int q = 0; q < kItems; ++q) {
+    const double s = score(q);
+    S.add(e(is_finite(s) ? side * (s - m) : -INFINITY));
+  }
+  S = group_sum<kLanes>(S);
   return outer_gap_root_on(side, side * m, S.value(), kf, nf, t);
 }
 
