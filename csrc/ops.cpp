@@ -23,6 +23,7 @@ extern "C" PyObject* PyInit__C(void) {
       {"PATH_DIRECT", fastlapsum::kPathDirect},       {"PATH_SORT", fastlapsum::kPathSort},
       {"PATH_BRACKET", fastlapsum::kPathBracket},
       {"PATH_BRACKET_RETRY", fastlapsum::kPathBracketRetry}, {"PATH_RADIX", fastlapsum::kPathRadix},
+      {"PATH_OUTER_GAP", fastlapsum::kPathOuterGap},
       {"METHOD_AUTO", fastlapsum::kMethodAuto},       {"METHOD_SORT", fastlapsum::kMethodSort},
       {"METHOD_BRACKET", fastlapsum::kMethodBracket}, {"MODE_SOFT", fastlapsum::kModeSoft},
       {"MODE_LOG", fastlapsum::kModeLog},             {"MODE_HARD", fastlapsum::kModeHard},

@@ -17,6 +17,7 @@ from .functional import (
     PATH_BRACKET_RETRY,
     PATH_DIRECT,
     PATH_NAMES,
+    PATH_OUTER_GAP,
     PATH_RADIX,
     PATH_SORT,
     SOFT_REGIME_NAMES,
@@ -36,5 +37,5 @@ __version__ = "0.1.0"
 __all__ = [
     "soft_topk", "log_soft_topk", "lapsum_threshold", "topk", "SoftTopK", "lapsum_diagnostics",
     "LapSumInfo", "PATH_NAMES", "PATH_DIRECT", "PATH_SORT", "PATH_BRACKET", "PATH_BRACKET_RETRY",
-    "PATH_RADIX", "SOFT_REGIME_NAMES", "TOPK_REGIME_NAMES", "topk_diagnostics", "has_cuda_kernels", "reference",
+    "PATH_RADIX", "PATH_OUTER_GAP", "SOFT_REGIME_NAMES", "TOPK_REGIME_NAMES", "topk_diagnostics", "has_cuda_kernels", "reference",
 ]

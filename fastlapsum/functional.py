@@ -20,6 +20,7 @@ __all__ = ["soft_topk", "log_soft_topk", "lapsum_threshold", "lapsum_diagnostics
 # Solver paths reported by lapsum_diagnostics, the plan's crossover and the regime names by
 # code (csrc/common/plan.h).
 from ._C import AUTO_SORT_MAX_N_CPU, AUTO_SORT_MAX_N_CUDA, PATH_BRACKET, PATH_BRACKET_RETRY, PATH_DIRECT, PATH_RADIX, PATH_SORT  # noqa: E402
+from ._C import PATH_OUTER_GAP  # noqa: E402
 from ._C import PATH_NAMES, SOFT_REGIME_NAMES, TOPK_REGIME_NAMES, TOPK_SORT  # noqa: E402
 
 

@@ -63,6 +63,43 @@ def same_precision_error(x: torch.Tensor, k, t, dim=-1, largest=True) -> float:
     return mask_floor(p64, x.dtype)
 
 
+def ulp_above(b):
+    """The gap from each b to the next representable value: a threshold held in fp64 can be
+    no closer than a few of these."""
+    return (torch.nextafter(b, torch.full_like(b, math.inf)) - b).abs()
+
+
+def assert_b_matches_cpu(b, bc, t):
+    """A CUDA threshold b against the CPU op's bc (t: the rows' temperatures): NaN rows alike,
+    infinite ones equal, the others within 1e-6 t plus a few ulps of bc."""
+    b, t = b.cpu(), t.cpu()
+    assert torch.equal(torch.isnan(b), torch.isnan(bc)), (b, bc)
+    inf = torch.isinf(bc)
+    assert torch.equal(b[inf], bc[inf]), (b, bc)
+    ok = torch.isfinite(bc)
+    assert ((b - bc)[ok].abs() <= 1e-6 * t[ok] + 4 * ulp_above(bc[ok])).all(), (b, bc)
+
+
+def outer_gap_test(s, k, t):
+    """The float64 outer-gap test of DESIGN §1.1.1 for one row s (largest side, float64):
+    (holds, S / (2 kf)), S the sum over the finite scores of e^{(s - max)/t} (or the mirror's
+    over e^{(min - s)/t} with nf - kf when 2 kf > nf), or None where the row settles without a
+    solve (a NaN, the budget met by the infinities)."""
+    if torch.isnan(s).any():
+        return None
+    fin = torch.isfinite(s)
+    kf = k - (s == math.inf).sum().item()
+    nf = fin.sum().item()
+    if not (0 < kf < nf):
+        return None
+    f = s[fin]
+    if 2 * kf <= nf:
+        ratio = torch.exp((f - f.max()) / t).sum().item() / (2 * kf)
+    else:
+        ratio = torch.exp((f.min() - f) / t).sum().item() / (2 * (nf - kf))
+    return ratio >= 1.0, ratio
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param

@@ -8,7 +8,8 @@ import torch
 
 import fastlapsum
 
-from conftest import BUDGET_TOL, DTYPES, G_TOL, P_TOL, assert_exact_topk, budget_error, gen, requires_cuda
+from conftest import (BUDGET_TOL, DTYPES, G_TOL, P_TOL, assert_b_matches_cpu, assert_exact_topk, budget_error, gen,
+                      requires_cuda, ulp_above)
 
 pytestmark = requires_cuda
 
@@ -42,21 +43,6 @@ def adversarial_rows(n=4096, seed=0):
 def budgets(rows, n):
     base = torch.tensor([1.0, 2.5, n / 16, n / 2 + 0.25, n - 1.5, 7.0, 31.0, 100.0, n / 3, 5.0, 2.0], dtype=F64)
     return base.repeat(rows // len(base) + 1)[:rows]
-
-
-def ulp_above(b):
-    """The gap from each b to the next representable value: a threshold held in fp64 can be
-    no closer than a few of these."""
-    return (torch.nextafter(b, torch.full_like(b, math.inf)) - b).abs()
-
-
-def assert_b_matches_cpu(b, bc, t):
-    """A CUDA threshold b against the CPU op's bc (t: the rows' temperatures): NaN rows alike,
-    the others within 1e-6 t plus a few ulps of bc."""
-    b, t = b.cpu(), t.cpu()
-    assert torch.equal(torch.isnan(b), torch.isnan(bc)), (b, bc)
-    ok = ~torch.isnan(bc)
-    assert ((b - bc)[ok].abs() <= 1e-6 * t[ok] + 4 * ulp_above(bc[ok])).all(), (b, bc)
 
 
 def to(x, dtype, device):

@@ -11,8 +11,8 @@ import fastlapsum as fl
 from fastlapsum._ops import MODE_HARD
 from fastlapsum.reference import lapsum_threshold_reference, soft_topk_reference
 
-from conftest import (BUDGET_TOL, DTYPES, assert_exact_topk, budget_error, gen, mask_floor, requires_cuda,
-                      topk_oracle)
+from conftest import (BUDGET_TOL, DTYPES, assert_exact_topk, budget_error, gen, mask_floor, outer_gap_test,
+                      requires_cuda, topk_oracle)
 
 F32, F64 = torch.float32, torch.float64
 FP64_SORT = "sort"  # float64 topk on CUDA: the ATen sort path, whatever the shape
@@ -43,9 +43,23 @@ SOFT_CELLS = [
     cell("cuda", 300, "bracket", "long-rows"),
     cell("cuda", 5000, "sort", "radix-rows"),
 ]
-# The per-row path of a row with an interior root in each regime.
+# The per-row path of a row with an interior root in each regime. The sorting regimes first
+# try the outer gap (DESIGN §1.1.1): a row whose root lies beyond its max or min reports
+# PATH_OUTER_GAP there (SORTS_FIRST_TRY_GAP), the bracket regimes never.
 SOFT_PATH = {"cpu-sort": fl.PATH_SORT, "warp-rows": fl.PATH_SORT, "cta-rows": fl.PATH_SORT,
              "cpu-bracket": fl.PATH_BRACKET, "long-rows": fl.PATH_BRACKET, "radix-rows": fl.PATH_RADIX}
+SORTS_FIRST_TRY_GAP = {"cpu-sort", "warp-rows", "cta-rows"}
+
+
+def expected_paths(regime, s, k, t):
+    """SOFT_PATH[regime] per row of the signed float64 rows s, or PATH_OUTER_GAP where the
+    regime tries the gap and its float64 test holds."""
+    paths = torch.full((s.shape[0],), SOFT_PATH[regime], dtype=torch.int64)
+    if regime in SORTS_FIRST_TRY_GAP:
+        for r in range(s.shape[0]):
+            if outer_gap_test(s[r], k[r].item(), t[r].item())[0]:
+                paths[r] = fl.PATH_OUTER_GAP
+    return paths
 
 
 def by_dtype(regime, dtype):
@@ -79,10 +93,14 @@ def test_soft_regime(device, n, method, regime, dtype):
     for largest in (True, False):
         info = fl.lapsum_diagnostics(xd, kd, td, largest=largest, method=method)
         assert info.regime == regime, (info.regime, regime)
-        assert (info.path.cpu() == SOFT_PATH[regime]).all(), [fl.PATH_NAMES[c] for c in info.path.tolist()]
-        if SOFT_PATH[regime] == fl.PATH_SORT:
-            assert (info.middle_size.cpu() == n).all() and (info.attempts.cpu() == 0).all()
         s = x.double() if largest else -x.double()
+        want = expected_paths(regime, s, k, t)
+        assert torch.equal(info.path.cpu(), want), ([fl.PATH_NAMES[c] for c in info.path.tolist()],
+                                                    [fl.PATH_NAMES[c] for c in want.tolist()])
+        if SOFT_PATH[regime] == fl.PATH_SORT:
+            assert (want == fl.PATH_SORT).any()  # the cell still covers the sort
+            sorted_n = torch.where(want == fl.PATH_SORT, n, 0)
+            assert torch.equal(info.middle_size.cpu(), sorted_n) and (info.attempts.cpu() == 0).all()
         b_ref = lapsum_threshold_reference(s, k, t)[0]
         b = info.threshold.cpu()
         # CUDA long rows of 16/32-bit scores take fp32 exponentials: b to ~1e-7 t (DESIGN §1.2)

@@ -12,7 +12,8 @@ import torch
 import fastlapsum as fl
 from fastlapsum import reference
 
-from conftest import BUDGET_TOL, DTYPES, P_TOL, budget_error, mask_floor, requires_cuda
+from conftest import (BUDGET_TOL, DTYPES, P_TOL, assert_b_matches_cpu, budget_error, mask_floor, outer_gap_test,
+                      requires_cuda)
 
 F64 = torch.float64
 EPS64 = torch.finfo(F64).eps
@@ -214,7 +215,9 @@ def test_short_rows_match_cpu(n, dtype, largest):
 @pytest.mark.parametrize("n", [5, 8, 16, 64, 256, 1024])
 def test_many_short_rows_match_cpu(n, dtype):
     """A router-sized batch (many CTAs of the warp kernel, rows no multiple of a CTA's):
-    every row sorted (PATH_SORT over all n), masks and budgets as on the CPU."""
+    every row solved by the outer gap (DESIGN §1.1.1) where its float64 test holds and sorted
+    (PATH_SORT over all n) elsewhere, both paths taken, masks, budgets and thresholds as on
+    the CPU."""
     rows = 5003
     g = torch.Generator().manual_seed(n)
     x = torch.randn(rows, n, generator=g, dtype=F64).to(dtype)
@@ -226,7 +229,16 @@ def test_many_short_rows_match_cpu(n, dtype):
         assert (pg - pc).abs().max().item() <= P_TOL[dtype]
         assert budget_error(pg, k).item() <= BUDGET_TOL[dtype]
     info = fl.lapsum_diagnostics(x.cuda(), k.cuda(), t.cuda())
-    assert (info.path == fl.PATH_SORT).all() and (info.middle_size == n).all() and (info.attempts == 0).all()
+    path, middle = info.path.cpu(), info.middle_size.cpu()
+    gap = torch.tensor([outer_gap_test(x[r].double(), k[r].item(), t[r].item())[0] for r in range(rows)])
+    ratio = torch.tensor([outer_gap_test(x[r].double(), k[r].item(), t[r].item())[1] for r in range(rows)])
+    clear = (ratio - 1).abs() > 1e-9  # the kernels' sums may round either way at the boundary
+    assert gap.any() and (~gap).any()
+    assert (path[clear & gap] == fl.PATH_OUTER_GAP).all() and (path[clear & ~gap] == fl.PATH_SORT).all()
+    assert (middle == torch.where(path == fl.PATH_SORT, n, 0)).all() and (info.attempts == 0).all()
+    ic = fl.lapsum_diagnostics(x, k, t)
+    assert torch.equal(path, ic.path)
+    assert_b_matches_cpu(info.threshold, ic.threshold, t)
 
 
 @requires_cuda

@@ -15,7 +15,7 @@ import torch
 import fastlapsum as fl
 from fastlapsum import reference
 
-from conftest import BUDGET_TOL, DEVICES, budget_error, gen, mask_floor
+from conftest import BUDGET_TOL, DEVICES, budget_error, gen, mask_floor, outer_gap_test
 
 EPS64 = torch.finfo(torch.float64).eps
 INF = math.inf
@@ -402,14 +402,17 @@ def test_periodic_row_missed_huge_values_retry(device):
 
 @pytest.mark.parametrize("device", CPU_SOLVER_CHOICE)
 def test_sort_method_reports_sort(device):
+    """A budget whose root lies among the scores (the outer gap's test fails: §1.1.1 would
+    answer without a sort), forced onto the sort solver on long rows."""
     x = torch.randn(3, 30000, generator=gen(26), dtype=torch.float64)
     x[1, :10] = INF
     x[2, :10] = -INF
-    info = fl.lapsum_diagnostics(x.to(device), 100.0, 1.0, method="sort")
+    assert not any(outer_gap_test(x[r], 1000.0, 1.0)[0] for r in range(3))
+    info = fl.lapsum_diagnostics(x.to(device), 1000.0, 1.0, method="sort")
     assert (info.path == fl.PATH_SORT).all()
     assert info.middle_size.tolist() == [30000, 29990, 29990]
     assert (info.attempts == 0).all()
-    _, b_ref, _ = oracle(x[0], 100.0, 1.0)
+    _, b_ref, _ = oracle(x[0], 1000.0, 1.0)
     assert abs(info.threshold[0].item() - b_ref) <= 1e-12 * (1 + abs(b_ref))
 
 

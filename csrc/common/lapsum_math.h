@@ -24,8 +24,9 @@ enum SolvePath : int64_t {
   kPathBracket = 2,       // certified sample bracket, first try (§1.2)
   kPathBracketRetry = 3,  // certified sample bracket after widening
   kPathRadix = 4,         // exact radix-bracket fallback
+  kPathOuterGap = 5,      // closed form beyond the row's max or min, no sort (§1.1.1)
 };
-constexpr const char* kPathNames[] = {"direct", "sort", "bracket", "bracket-retry", "radix-fallback"};
+constexpr const char* kPathNames[] = {"direct", "sort", "bracket", "bracket-retry", "radix-fallback", "outer-gap"};
 
 // method argument of the threshold ops
 enum SolveMethod : int64_t { kMethodAuto = 0, kMethodSort = 1, kMethodBracket = 2 };
@@ -137,6 +138,54 @@ FLS_HD double solve_interval(double C, double A, double B, double hi, double lo,
   }
   // c == 0: v^2 = B G / A, taken in the log domain so that a huge gap cannot underflow.
   return 0.5 * (hi + lo) + 0.5 * t * log(B / A);
+}
+
+// e^{d/t} for differences of scores d <= 0 (the sort solvers' scans, the outer-gap sums):
+// (d s) / (t s) with a power-of-two s that lifts a subnormal t, whose reciprocal
+// inv_temperature caps (right for the mask's 0 * inv_t, wrong for these differences).
+// Never NaN for d <= 0 (inv_ts is finite > 0).
+struct GapExp {
+  double scale, inv_ts;
+  FLS_HD explicit GapExp(double t) : scale(t < 0x1p-960 ? 0x1p64 : 1.0), inv_ts(1.0 / (t * scale)) {}
+  FLS_HD double operator()(double d) const { return exp(d * scale * inv_ts); }
+};
+
+// The outer gap's sum of terms e in [0, 1] (§1.1.1) in 64.64 fixed point: integer adds are
+// associative, so the sum, and the root, do not depend on the scores' order or on the
+// reduction tree (a permuted row gives bitwise the same b, as the sort solver's does).
+// Each term is held to 2^-64, far below an fp64 sum's rounding.
+struct GapSum {
+  uint64_t whole, frac;
+  FLS_HD void add(double e) {  // e = 1 exactly for the extreme score(s), else e < 1
+    whole += e >= 1.0;
+    merge(0, e < 1.0 ? static_cast<uint64_t>(e * 0x1p64) : 0);
+  }
+  FLS_HD void merge(uint64_t w, uint64_t f) {
+    const uint64_t sum = frac + f;
+    whole += w + (sum < frac);  // the carry out of the fraction
+    frac = sum;
+  }
+  FLS_HD double value() const { return static_cast<double>(whole) + static_cast<double>(frac) * 0x1p-64; }
+};
+
+// §1.1.1, the outer gap: for b >= m, the max of the finite scores, every term is
+// 1/2 e^{(s-b)/t}, so Psi(b) = 1/2 e^{(m-b)/t} S with S = sum e^{(s-m)/t}, and the root is
+// b = m + t ln(S / (2 kf)), which lies in the gap iff S >= 2 kf. NaN where it does not hold
+// (the sort solver then decides). S <= #finite, so only rows with 2 kf <= #finite can pass;
+// the others try the mirror (outer_gap_side).
+FLS_HD double outer_gap_root(double m, double S, double kf, double t) {
+  return S >= 2.0 * kf ? m + t * log(S / (2.0 * kf)) : NAN;
+}
+
+// Which side's gap can hold the root: +1 above the max, -1 below the min. The mirror is the
+// same closed form on the negated scores with the complementary budget nf - kf:
+//   b = -outer_gap_root(-m', S', nf - kf, t),  m' the min, S' = sum e^{(m'-s)/t}.
+FLS_HD double outer_gap_side(double kf, double nf) { return 2.0 * kf <= nf ? 1.0 : -1.0; }
+
+// The root in the gap on `side` (outer_gap_side): m_side = side * (the max or min), S_side =
+// sum e^{(side * s - m_side)/t}; NaN where that gap does not hold it.
+FLS_HD double outer_gap_root_on(double side, double m_side, double S_side, double kf, double nf, double t) {
+  return side * outer_gap_root(m_side, S_side, side > 0.0 ? kf : nf - kf, t);
 }
 
 // Psi at the two ends of an interval described as for solve_interval.

@@ -69,6 +69,25 @@ double solve_sort(const Row<scalar_t>& row, int64_t finite, double k, double t) 
   return r.b;
 }
 
+// §1.1.1: the root in the outer gap (above the max where 2 kf <= nf, else below the min),
+// in O(n) without a sort, or NaN where it lies among the scores.
+template <typename scalar_t>
+double solve_outer_gap(const Row<scalar_t>& row, int64_t finite, double kf, double t) {
+  const double nf = static_cast<double>(finite), side = outer_gap_side(kf, nf);
+  double m = -INFINITY;  // max of side * s over the finite scores
+  for (int64_t i = 0; i < row.n; ++i) {
+    const double v = side * row(i);
+    if (std::isfinite(v) && v > m) m = v;
+  }
+  const GapExp e(t);
+  GapSum S{0, 0};
+  for (int64_t i = 0; i < row.n; ++i) {
+    const double v = side * row(i);
+    if (std::isfinite(v)) S.add(e(v - m));
+  }
+  return outer_gap_root_on(side, m, S.value(), kf, nf, t);
+}
+
 // §1.2 fallback: the radix bracket. Each level histograms the next 11-bit digit of
 // the order-preserving key of the scores still in play into range atoms; the scan
 // either solves in a gap or names the bin to refine. Exact, O(n) per level, and a
@@ -203,6 +222,8 @@ RowSolution solve_row(const Row<scalar_t>& row, int64_t row_index, double k, dou
     return RowSolution{b, edge, kPathDirect, 0, 0};
   const int64_t finite = row.n - c.pinf - c.ninf;
   if (!plan_sorts(row.n, method, kAutoSortMaxNCpu)) return solve_bracket(row, row_index, finite, kf, t);
+  const double gap = solve_outer_gap(row, finite, kf, t);
+  if (!std::isnan(gap)) return RowSolution{gap, 1.0, kPathOuterGap, 0, 0};
   return RowSolution{solve_sort(row, finite, kf, t), 1.0, kPathSort, finite, 0};
 }
 

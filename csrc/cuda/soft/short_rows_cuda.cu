@@ -4,8 +4,10 @@
 // (warp_rows.cuh); the others a CTA per row (sorted_solve.cuh).
 //
 // In the CTA kernel, one census of the row (non-finite counts, which key bits vary, the
-// keys' range) settles the rows without an interior root, sizes the bucket pass and bounds
-// the radix sort to the varying bits. The warp kernel needs only the non-finite counts.
+// finite keys' range) settles the rows without an interior root, sizes the bucket pass and
+// bounds the radix sort to the varying bits. The warp kernel needs only the non-finite counts.
+// Both first try the outer gap (§1.1.1, outer_gap.cuh): a row whose root lies beyond its max
+// (or min), the common case of a small budget, skips the sort and the scan.
 #include <ATen/Dispatch.h>
 
 #include <cstdint>
@@ -13,6 +15,7 @@
 
 #include "../../common/cuda_launch.cuh"
 #include "../../common/gpu_rows.cuh"
+#include "outer_gap.cuh"
 #include "sorted_solve.cuh"
 #include "threshold_cuda.h"
 #include "tuning.cuh"
@@ -63,13 +66,14 @@ __device__ __forceinline__ void write_mask(const scalar_t* __restrict__ row, sca
   else mask();
 }
 
-// A row's threshold, edge and diagnostics (diag[3 r + 1]: the finite scores sorted).
-__device__ __forceinline__ void write_row_result(double* b_out, double* edge_out, int64_t* diag, int64_t r, int64_t n,
-                                                 double sign, double b, double edge, bool settled, int infinite) {
+// A row's threshold, edge and diagnostics: `sorted`, the finite scores the sort ordered (0
+// where it did not run) tells the sort path from the outer gap.
+__device__ __forceinline__ void write_row_result(double* b_out, double* edge_out, int64_t* diag, int64_t r,
+                                                 double sign, double b, double edge, bool settled, int sorted) {
   b_out[r] = sign * b;
   edge_out[r] = edge;
-  diag[3 * r] = settled ? kPathDirect : kPathSort;
-  diag[3 * r + 1] = settled ? 0 : n - infinite;
+  diag[3 * r] = settled ? kPathDirect : sorted > 0 ? kPathSort : kPathOuterGap;
+  diag[3 * r + 1] = sorted;
   diag[3 * r + 2] = 0;
 }
 
@@ -87,6 +91,7 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
   } sm;
   __shared__ CensusStorage<Key> census;
   __shared__ double last_v[kWarps];
+  __shared__ GapSumStorage gap_part;
   static_assert(32 * kItems < 1024, "take_census packs a warp's counts in 10 bits");
 
   const int64_t r = blockIdx.x;
@@ -101,32 +106,40 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
 #pragma unroll
   for (int q = 0; q < kItems; ++q) {
     const int64_t i = q * kShortThreads + tid;
+    keys[q] = 0;  // below every score's key (outer_gap_block skips it)
     if (i < n) {
       const double s = sign * static_cast<double>(row[i]);
       keys[q] = SK::key(s);
       count.add(s);
-      stats.add(keys[q]);
+      stats.add(keys[q], is_finite(s));
     }
   }
   const Census<Key> c = take_census(census, count.nan, count.pinf, count.ninf, stats);
   double b, edge, kf;
   const bool settled = settle_row(k, t, static_cast<double>(n), c.nan, c.pinf, c.ninf, &b, &edge, &kf);
 
-  if (!settled) {  // uniform across the block
-    sort_descending<Key, SK, kItems>(sm.sort, keys, n, c);  // positions [0, n) hold the row
-    const int first = c.pinf, end = static_cast<int>(n) - c.ninf;  // finite positions [first, end)
-    b = solve_sorted<Key, SK, kItems>(sm.solve, last_v, keys, first, end, kf, t, SortedTails{});
+  int sorted = 0;
+  if (!settled) {  // uniform across the block, as is the gap's test
+    const int first = c.pinf, end = static_cast<int>(n) - c.ninf;  // finite positions [first, end) once sorted
+    b = outer_gap_block<Key, SK, kItems>(gap_part, keys, c.key_min, c.key_max, kf, end - first, t);
+    if (b != b) {
+      sorted = end - first;
+      sort_descending<Key, SK, kItems>(sm.sort, keys, n, c);  // positions [0, n) hold the row
+      b = solve_sorted<Key, SK, kItems>(sm.solve, last_v, keys, first, end, kf, t, SortedTails{});
+    }
   }
-  if (tid == 0) write_row_result(b_out, edge_out, diag, r, n, sign, b, edge, settled, c.pinf + c.ninf);
+  if (tid == 0) write_row_result(b_out, edge_out, diag, r, sign, b, edge, settled, sorted);
   if (p_out == nullptr) return;
   write_mask<scalar_t, kItems, kShortThreads>(row, p_out + r * n, static_cast<int>(n), sign, b, t, edge, log_mode,
                                               tid);
 }
 
 // One row per group of kLanes lanes (a warp, or 8 / 16 lanes for rows of at most that many
-// scores), kWarpRowsPerCta warps per CTA, n <= kLanes * kItems: striped loads (coalesced),
-// the keys padded with 0 (below every score's key, so the padding sorts last), the sort and
-// solve of warp_rows.cuh, the mask re-reading the row. A group past the last row leaves at
+// scores), kWarpRowsPerCta warps per CTA, n <= kLanes * kItems: striped loads (coalesced);
+// the census (non-finite counts, each lane's finite extremes); the outer gap, re-reading the
+// row (from L1), so that no keys are live while it runs; where it fails, the keys padded with
+// 0 (below every score's key, so the padding sorts last) from a third read, the sort and
+// solve of warp_rows.cuh; the mask re-reading the row. A group past the last row leaves at
 // once (whole groups only: the shuffles below need all of the group's lanes; the groups of
 // a warp shuffle under their own masks, so they may part ways).
 template <typename scalar_t, int kItems, int kLanes>
@@ -147,26 +160,41 @@ warp_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in
   const double k = k_in[r], t = t_in[r];
 
   const int nn = static_cast<int>(n);  // at most warp_row_max
-  Key keys[kItems];
   NonFiniteCount count;
+  KeyStats<Key> ext;  // min/max of the lane's finite keys
 #pragma unroll
   for (int q = 0; q < kItems; ++q) {
     const int64_t i = q * kLanes + lane;
-    keys[q] = 0;
     if (i < n) {
       const double s = sign * static_cast<double>(row[i]);
-      keys[q] = SK::key(s);
       count.add(s);
+      ext.add(SK::key(s), is_finite(s));
     }
   }
   const int nan = G::sum(count.nan), pinf = G::sum(count.pinf), ninf = G::sum(count.ninf);
   double b, edge, kf;
   const bool settled = settle_row(k, t, static_cast<double>(n), nan, pinf, ninf, &b, &edge, &kf);
-  if (!settled) {  // uniform across the group
-    warp_sort_descending<Key, kItems, kLanes>(keys);  // positions [0, n) hold the row, padding after
-    b = solve_sorted_warp<Key, SK, kItems, kLanes>(keys, pinf, nn - ninf, kf, t);
+  int sorted = 0;
+  if (!settled) {  // uniform across the group, as is the gap's test
+    const auto score = [&](int q) {  // position q * kLanes + lane, NaN past the row
+      const int i = q * kLanes + lane;
+      const double s = sign * static_cast<double>(row[clamp_index(i, nn)]);
+      return i < nn ? s : NAN;
+    };
+    b = outer_gap_group<SK, kItems, kLanes>(score, ext.min, ext.max, kf, nn - pinf - ninf, t);
+    if (b != b) {
+      sorted = nn - pinf - ninf;
+      Key keys[kItems];
+#pragma unroll
+      for (int q = 0; q < kItems; ++q) {
+        const double s = score(q);
+        keys[q] = s == s ? SK::key(s) : Key(0);
+      }
+      warp_sort_descending<Key, kItems, kLanes>(keys);  // positions [0, n) hold the row, padding after
+      b = solve_sorted_warp<Key, SK, kItems, kLanes>(keys, pinf, nn - ninf, kf, t);
+    }
   }
-  if (lane == 0) write_row_result(b_out, edge_out, diag, r, n, sign, b, edge, settled, pinf + ninf);
+  if (lane == 0) write_row_result(b_out, edge_out, diag, r, sign, b, edge, settled, sorted);
   if (p_out == nullptr) return;
   write_mask<scalar_t, kItems, kLanes>(row, p_out + r * n, nn, sign, b, t, edge, log_mode, lane);
 }

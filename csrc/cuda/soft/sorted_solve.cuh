@@ -96,18 +96,18 @@ template <typename Key>
 struct Census {
   int nan, pinf, ninf;
   Key key_and, key_or;  // over the real scores: the bits where they differ need sorting
-  Key key_min, key_max;  // and their range (bucket_sort_descending)
+  Key key_min, key_max;  // the finite scores' range (bucket_sort_descending, the outer gap)
 };
 
-// A thread's running and/or/min/max of its keys, the census's input.
+// A thread's running and/or of its keys and min/max of its finite ones, the census's input.
 template <typename Key>
 struct KeyStats {
   Key all = ~Key(0), any = 0, min = ~Key(0), max = 0;  // and, or, min, max
-  __device__ __forceinline__ void add(Key k) {
+  __device__ __forceinline__ void add(Key k, bool finite = true) {
     all &= k;
     any |= k;
-    min = k < min ? k : min;
-    max = k > max ? k : max;
+    min = finite && k < min ? k : min;
+    max = finite && k > max ? k : max;
   }
 };
 
@@ -352,15 +352,6 @@ struct SortedTails {
 // the first position j with Psi(s_j) >= k, or j = end (below every finite score).
 struct Gap {
   double A, B, hi, lo;
-};
-
-// e^{d/t} for the scans' differences d <= 0: (d s) / (t s) with a power-of-two s that lifts
-// a subnormal t, whose reciprocal inv_temperature caps (right for the mask's 0 * inv_t,
-// wrong for these differences). Never NaN for d <= 0 (inv_ts is finite > 0).
-struct GapExp {
-  double scale, inv_ts;
-  __device__ explicit GapExp(double t) : scale(t < 0x1p-960 ? 0x1p64 : 1.0), inv_ts(1.0 / (t * scale)) {}
-  __device__ __forceinline__ double operator()(double d) const { return exp(d * scale * inv_ts); }
 };
 
 // One thread's (or lane's) run of kItems consecutive sorted positions j0 + q folded into one
