@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "../../common/lapsum_math.h"
+#include "../../common/order_keys.h"
 #include "tuning.cuh"
 
 namespace fastlapsum {
@@ -20,13 +21,6 @@ struct FindResult {
   uint32_t digit, above, count;
 };
 
-__device__ __forceinline__ uint64_t composite(uint32_t key, uint32_t idx) {
-  return (static_cast<uint64_t>(key) << 32) | static_cast<uint32_t>(~idx);
-}
-// int64 with the same order as the unsigned composite (sorted=True)
-__device__ __forceinline__ int64_t comp_signed(uint64_t c) {
-  return static_cast<int64_t>(c ^ 0x8000000000000000ull);
-}
 __device__ __forceinline__ int digit_shift(int p) {
   return p == 0 ? 53 : p == 1 ? 42 : p == 2 ? 32 : p == 3 ? 21 : p == 4 ? 10 : 0;
 }
@@ -41,10 +35,6 @@ __device__ __forceinline__ bool selected(uint64_t c, uint64_t prefix, int ks) {
 template <typename T>
 __device__ __forceinline__ float to_float(T v) {
   return static_cast<float>(v);
-}
-template <typename T>
-__device__ __forceinline__ T from_key(uint32_t key, uint32_t flip) {
-  return static_cast<T>(key_to_float(key ^ flip));
 }
 
 // Vector v (V = 16/sizeof(T) scores) of a row of length L, raw: one 16-byte load when
