@@ -47,7 +47,7 @@ void walk(const char* name, U inf_bits, Key key, Dec dec) {
   bool have_prev = false;
   U prev_key = 0, prev_bits = 0;
   for_each_ordered<U>(inf_bits, [&](U bits) {
-    const Fl x = from_bits<Fl>(bits);
+    const Fl x = bits_as<Fl>(bits);
     const U k = key(x);
     ++n;
     if (have_prev) {
@@ -55,7 +55,7 @@ void walk(const char* name, U inf_bits, Key key, Dec dec) {
       const bool ok = zero_pair ? k == prev_key : k > prev_key;
       if (!ok && fails++ < 5) std::printf("  %s order: bits %llx after %llx\n", name, (unsigned long long)bits, (unsigned long long)prev_bits);
     }
-    const U back = bits_of<U>(dec(k));
+    const U back = bits_as<U>(dec(k));
     const U want = bits == kSignBit<U> ? U(0) : bits;  // -0 decodes to +0
     if (back != want && dec_fails++ < 5) std::printf("  %s decode: %llx -> %llx\n", name, (unsigned long long)bits, (unsigned long long)back);
     prev_key = k, prev_bits = bits, have_prev = true;
@@ -74,9 +74,9 @@ float half_to_float(uint16_t h) {
   if (e == 31) v = m ? NAN : INFINITY;
   else if (e == 0) v = std::ldexp(float(m), -24);
   else v = std::ldexp(float(m | 1024), int(e) - 25);
-  return from_bits<float>(bits_of<uint32_t>(v) | sign);
+  return bits_as<float>(bits_as<uint32_t>(v) | sign);
 }
-float bf16_to_float(uint16_t b) { return from_bits<float>(uint32_t(b) << 16); }
+float bf16_to_float(uint16_t b) { return bits_as<float>(uint32_t(b) << 16); }
 
 // The 16-bit formats keyed through fp32: order of all patterns, NaN key, decode, and the
 // offset key's zero low bits (low_zero of them) that the sorted solve's radix sort relies on.
@@ -95,8 +95,8 @@ void check16(const char* name, uint16_t inf_bits, int low_zero, Widen widen) {
       const bool zero_pair = pb == 0x8000 && bits == 0;
       if (!(zero_pair ? (k == pk && ok == pok) : (k > pk && ok > pok))) ++fails;
     }
-    const uint32_t want = bits == 0x8000 ? 0u : bits_of<uint32_t>(x);
-    if (bits_of<uint32_t>(key_to_float(k)) != want || bits_of<uint32_t>(offset_key_to_float(ok)) != want) ++fails;
+    const uint32_t want = bits == 0x8000 ? 0u : bits_as<uint32_t>(x);
+    if (bits_as<uint32_t>(key_to_float(k)) != want || bits_as<uint32_t>(offset_key_to_float(ok)) != want) ++fails;
     if (ok & low_mask) ++low_fails;
     pk = k, pok = ok, pb = bits, have_prev = true;
   });
@@ -126,7 +126,7 @@ int main() {
     for (uint64_t b = 0x7F800001ull; b <= 0x7FFFFFFFull; ++b)
       for (uint32_t s : {0u, 0x80000000u}) {
         ++n;
-        if (float_key(from_bits<float>(static_cast<uint32_t>(b) | s)) != 0xFFFFFFFFu) ++fails;
+        if (float_key(bits_as<float>(static_cast<uint32_t>(b) | s)) != 0xFFFFFFFFu) ++fails;
       }
     report("fp32: NaN -> all-ones flip key", fails, n);
   }
@@ -138,16 +138,16 @@ int main() {
     bool have_prev = false;
     uint64_t pk = 0, pb = 0;
     auto visit = [&](uint64_t bits) {
-      const double x = from_bits<double>(bits);
+      const double x = bits_as<double>(bits);
       const uint64_t k = double_key(x), ok = offset_key(x);
       ++n;
       if (have_prev) {
         const bool zero_pair = pb == kSignBit<uint64_t> && bits == 0;
         if (!(zero_pair ? k == pk : k > pk)) ++fails;
-        if (!(zero_pair ? ok == offset_key(from_bits<double>(pb)) : ok > offset_key(from_bits<double>(pb)))) ++fails;
+        if (!(zero_pair ? ok == offset_key(bits_as<double>(pb)) : ok > offset_key(bits_as<double>(pb)))) ++fails;
       }
       const uint64_t want = bits == kSignBit<uint64_t> ? 0 : bits;
-      if (bits_of<uint64_t>(key_to_double(k)) != want || bits_of<uint64_t>(offset_key_to_double(ok)) != want) ++dec_fails;
+      if (bits_as<uint64_t>(key_to_double(k)) != want || bits_as<uint64_t>(offset_key_to_double(ok)) != want) ++dec_fails;
       pk = k, pb = bits, have_prev = true;
     };
     const uint64_t inf = 0x7FF0000000000000ull;
@@ -169,7 +169,7 @@ int main() {
     uint64_t rf = 0, nan_fails = 0;
     const uint64_t R = 20000000;
     for (uint64_t i = 0; i < R; ++i) {
-      const double a = from_bits<double>(rng()), b = from_bits<double>(rng());
+      const double a = bits_as<double>(rng()), b = bits_as<double>(rng());
       if (a != a) {
         if (double_key(a) != ~uint64_t(0)) ++nan_fails;
         continue;

@@ -52,30 +52,24 @@ FLS_HD U offset_key_decode(U k) {
   return k < kSignBit<U> ? kSignBit<U> | (kSignBit<U> - k) : k - kSignBit<U>;
 }
 
-template <typename U, typename F>
-FLS_HD U bits_of(F x) {
-  static_assert(sizeof(U) == sizeof(F), "same width");
-  U u;
-  memcpy(&u, &x, sizeof(u));
-  return u;
-}
-template <typename F, typename U>
-FLS_HD F from_bits(U u) {
-  static_assert(sizeof(U) == sizeof(F), "same width");
-  F x;
-  memcpy(&x, &u, sizeof(x));
-  return x;
+// The bits of x as To (same width).
+template <typename To, typename From>
+FLS_HD To bits_as(From x) {
+  static_assert(sizeof(To) == sizeof(From), "same width");
+  To y;
+  memcpy(&y, &x, sizeof(y));
+  return y;
 }
 
-FLS_HD uint32_t float_key(float x) { return flip_key_bits(bits_of<uint32_t>(x), x != x); }
-FLS_HD uint64_t double_key(double x) { return flip_key_bits(bits_of<uint64_t>(x), x != x); }
-FLS_HD float key_to_float(uint32_t k) { return from_bits<float>(flip_key_decode(k)); }
-FLS_HD double key_to_double(uint64_t k) { return from_bits<double>(flip_key_decode(k)); }
+FLS_HD uint32_t float_key(float x) { return flip_key_bits(bits_as<uint32_t>(x), x != x); }
+FLS_HD uint64_t double_key(double x) { return flip_key_bits(bits_as<uint64_t>(x), x != x); }
+FLS_HD float key_to_float(uint32_t k) { return bits_as<float>(flip_key_decode(k)); }
+FLS_HD double key_to_double(uint64_t k) { return bits_as<double>(flip_key_decode(k)); }
 
-FLS_HD uint32_t offset_key(float x) { return offset_key_bits(bits_of<uint32_t>(x)); }
-FLS_HD uint64_t offset_key(double x) { return offset_key_bits(bits_of<uint64_t>(x)); }
-FLS_HD float offset_key_to_float(uint32_t k) { return from_bits<float>(offset_key_decode(k)); }
-FLS_HD double offset_key_to_double(uint64_t k) { return from_bits<double>(offset_key_decode(k)); }
+FLS_HD uint32_t offset_key(float x) { return offset_key_bits(bits_as<uint32_t>(x)); }
+FLS_HD uint64_t offset_key(double x) { return offset_key_bits(bits_as<uint64_t>(x)); }
+FLS_HD float offset_key_to_float(uint32_t k) { return bits_as<float>(offset_key_decode(k)); }
+FLS_HD double offset_key_to_double(uint64_t k) { return bits_as<double>(offset_key_decode(k)); }
 
 FLS_HD uint64_t int_key(int64_t v) { return static_cast<uint64_t>(v) ^ kSignBit<uint64_t>; }
 
