@@ -17,6 +17,13 @@
 // top-k) get int_key, the two's complement with the sign bit flipped.
 // Direction: a descending order is the ascending order of the keys XOR all ones
 // (direction_flip); ties then still break by index, through composite.
+// What the callers rely on:
+//  - CPU top-k (select_cpu.h): order_key, NaN on top, -0 == +0, ties to the smaller index.
+//  - CPU threshold radix fallback (threshold_cpu.cpp), CUDA threshold (gpu_keys.cuh): flip
+//    keys of finite scores only (non-finite ones are counted apart), digits from the top bit.
+//  - CUDA top-k: float_key ^ flip in composites, NaN on top; values come back through
+//    from_key (a -0 score is returned as +0); key_bound decodes threshold keys.
+//  - CUDA sorted solve (SortKey): offset keys of NaN-free rows, values decoded exactly.
 #pragma once
 
 #include <cstdint>
@@ -30,7 +37,7 @@ namespace fastlapsum {
 template <typename U>
 constexpr U kSignBit = U(1) << (8 * sizeof(U) - 1);
 
-// The flip key of bits u, branch-free (a select per step; nan: the score is a NaN).
+// The flip key of bits u, branch-free (nan: the score is a NaN).
 template <typename U>
 FLS_HD U flip_key_bits(U u, bool nan) {
   using S = std::make_signed_t<U>;

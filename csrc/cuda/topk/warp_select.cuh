@@ -166,19 +166,19 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
   }
 
   // ---- the row's keys: every load in flight before the first is used ----
-  const bool aligned = (reinterpret_cast<uintptr_t>(xr) & 15) == 0;
+  const bool aligned = is_aligned16(xr);
   uint32_t key[kI];
   {
-    int4 raw[kC];
+    RawVec<T> raw[kC];
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
       const uint32_t v = c * 32 + lane;
-      raw[c] = v * V < L ? load_raw_vec<T>(xr, v, L, aligned) : int4{0, 0, 0, 0};  // reads only scores < L
+      raw[c] = v * V < L ? load_raw_vec<T>(xr, v, L, aligned) : RawVec<T>{};  // reads only scores < L
     }
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
 #pragma unroll
-      for (int e = 0; e < V; ++e) key[c * V + e] = float_key(raw_score<T>(raw[c], e)) ^ flip;
+      for (int e = 0; e < V; ++e) key[c * V + e] = float_key(raw[c][e]) ^ flip;
       const uint32_t v = c * 32 + lane;
       if ((v + 1) * V > L) {  // the row's tail vector or past it
 #pragma unroll
@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
   const bool staged = !kMask && take <= kSortMax;  // outputs through shared memory
   uint64_t* stage = stage_all[w];
   T* mrow = kMask ? static_cast<T*>(P.out_mask) + r * P.n : nullptr;
-  const bool mask_aligned = kMask && (reinterpret_cast<uintptr_t>(mrow) & 15) == 0;
+  const bool mask_aligned = kMask && is_aligned16(mrow);
   uint32_t gt_base = 0, tie_base = 0;  // over the chunks before this one
 #pragma unroll
   for (int c = 0; c < kC; ++c) {
@@ -293,9 +293,9 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
 #pragma unroll
         for (int e = 0; e < V; ++e) t[e] = static_cast<T>((sm >> e) & 1u ? 1.0f : 0.0f);
         if (mask_aligned && (v + 1) * V <= P.n) {
-          int4 q;
+          uint4 q;
           memcpy(&q, t, 16);
-          reinterpret_cast<int4*>(mrow)[v] = q;
+          reinterpret_cast<uint4*>(mrow)[v] = q;
         } else {
 #pragma unroll
           for (int e = 0; e < V; ++e)
