@@ -65,10 +65,20 @@ __device__ __forceinline__ void for_row(const T* __restrict__ xr, int64_t L, boo
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t v = v0 + u * kT + threadIdx.x;
+      // load_raw_vec spelled out, scalar tail included: through it g_hist takes 34 registers
+      // for fp16/bf16, not 31 (3 CTAs of 512 threads an SM instead of 4)
       if (v < nv) {
-        const RawVec<T> q = load_raw_vec<T>(xr, v, L, aligned);
+        uint4 q;
+        if (aligned && (v + 1) * V <= L) {
+          q = ldg16(reinterpret_cast<const uint4*>(xr) + v);
+        } else {
+          T t[V];
 #pragma unroll
-        for (int e = 0; e < V; ++e) vals[u][e] = q[e];
+          for (int e = 0; e < V; ++e) t[e] = v * V + e < L ? xr[v * V + e] : T(0.0f);
+          memcpy(&q, t, 16);
+        }
+#pragma unroll
+        for (int e = 0; e < V; ++e) vals[u][e] = to_float(raw_elem<T>(q, e));
       }
     }
 #pragma unroll
