@@ -1,11 +1,13 @@
 // What the CUDA per-element passes over a row share (threshold levels, mask, VJPs):
-// the precision policy of their exponentials, and 16-byte vector access to a row.
+// the precision policy of their exponentials, and the streaming of a row in 16-byte
+// vectors (the vector access itself is row_vec.cuh's).
 #pragma once
 
 #include <cstdint>
 #include <type_traits>
 
 #include "lapsum_math.h"
+#include "row_vec.cuh"
 
 namespace fastlapsum {
 
@@ -23,18 +25,6 @@ __device__ __forceinline__ double mask_prob(double s, double b, double t, double
   if constexpr (std::is_same<scalar_t, double>::value) return lapsum_prob(s, b, t, edge);
   else return static_cast<double>(lapsum_prob_f(s, b, inv_t, edge));
 }
-
-// Elements per 16-byte vector load.
-template <typename scalar_t>
-constexpr int vec_width() {
-  return static_cast<int>(16 / sizeof(scalar_t));
-}
-
-// The type a per-element pass classifies and exponentiates in: fp64 for fp64 rows, fp32
-// otherwise (every fp16/bf16/fp32 score is exact in fp32, and fp32 saves the fp32<->fp64
-// conversions, quarter rate on sm_90, that fp64 arithmetic per score needs).
-template <typename scalar_t>
-using compute_t = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
 
 // e^{-x/t} for a distance x >= 0 in the compute type. fp32: one MUFU op (ex2.approx.ftz,
 // the ~2 ulp of exp2f) of a prescaled argument (its rounding moves x by 6e-8 relative);
@@ -74,91 +64,9 @@ constexpr float kFarEnd = 0x1p-100f;
 __device__ __forceinline__ float positive_indicator_far(float x) { return __saturatef(x * 0x1p126f); }
 __device__ __forceinline__ double positive_indicator_far(double x) { return positive_indicator(x); }
 
-// One 16-byte vector of a row kept raw (4 registers) until its elements are used, so a
-// thread can hold several loads in flight without the registers of their converted values.
-template <typename scalar_t>
-struct RawVec {
-  static constexpr int V = vec_width<scalar_t>();
-  uint4 raw;
-  __device__ __forceinline__ compute_t<scalar_t> operator[](int q) const {
-    scalar_t s[V];
-    memcpy(s, &raw, 16);
-    return static_cast<compute_t<scalar_t>>(s[q]);
-  }
-};
-
-// Elements [i0, i0 + V) of a row, raw; those at or past n read as `past_end`.
-template <typename scalar_t>
-__device__ __forceinline__ RawVec<scalar_t> load_raw(const scalar_t* __restrict__ row, int64_t n, int64_t i0,
-                                                     bool aligned, scalar_t past_end) {
-  constexpr int V = RawVec<scalar_t>::V;
-  RawVec<scalar_t> r;
-  if (aligned && i0 + V <= n) {
-    r.raw = __ldg(reinterpret_cast<const uint4*>(row + i0));
-    return r;
-  }
-  scalar_t s[V];
-#pragma unroll
-  for (int q = 0; q < V; ++q) s[q] = i0 + q < n ? row[i0 + q] : past_end;
-  memcpy(&r.raw, s, 16);
-  return r;
-}
-
-// Loads elements [i0, i0 + V) of a row (those below n) as Val (double, or the compute type),
-// with one 16-byte load when the row is aligned and the vector is whole. Returns how many
-// are valid.
-template <typename scalar_t, int V, typename Val>
-__device__ __forceinline__ int load_vec(const scalar_t* __restrict__ row, int64_t n, int64_t i0,
-                                        bool aligned, Val (&v)[V]) {
-  if (aligned && i0 + V <= n) {
-    union {
-      uint4 raw;
-      scalar_t s[V];
-    } u;
-    u.raw = __ldg(reinterpret_cast<const uint4*>(row + i0));
-#pragma unroll
-    for (int q = 0; q < V; ++q) v[q] = static_cast<Val>(u.s[q]);
-    return V;
-  }
-  int valid = 0;
-#pragma unroll
-  for (int q = 0; q < V; ++q)
-    if (i0 + q < n) {
-      v[q] = static_cast<Val>(row[i0 + q]);
-      ++valid;
-    }
-  return valid;
-}
-
-// Stores elements [i0, i0 + V) of a row (those below n), with one 16-byte store when the
-// row is aligned and the vector is whole.
-template <typename scalar_t, int V, typename Val>
-__device__ __forceinline__ void store_vec(scalar_t* __restrict__ row, int64_t n, int64_t i0, bool aligned,
-                                          const Val (&v)[V]) {
-  if (aligned && i0 + V <= n) {
-    union {
-      uint4 raw;
-      scalar_t s[V];
-    } u;
-#pragma unroll
-    for (int q = 0; q < V; ++q) u.s[q] = static_cast<scalar_t>(v[q]);
-    *reinterpret_cast<uint4*>(row + i0) = u.raw;
-    return;
-  }
-#pragma unroll
-  for (int q = 0; q < V; ++q)
-    if (i0 + q < n) row[i0 + q] = static_cast<scalar_t>(v[q]);
-}
-
 // Vectors per thread per step of the streaming passes: their loads are issued together,
 // because bandwidth needs bytes in flight, not just threads.
 constexpr int kStreamUnroll = 2;
-
-// True when a row pointer allows 16-byte vector access.
-template <typename T>
-__device__ __forceinline__ bool is_aligned16(const T* p) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
 
 // Streams a row (and its upstream gradient when gr != nullptr) in tiles of kUnroll
 // 16-byte vectors per thread, the loads of a tile issued together, and calls

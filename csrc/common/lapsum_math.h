@@ -2,18 +2,14 @@
 //
 // Everything here is a pure function of scalars, compiled for host and device:
 // the Laplace CDF / density, the closed-form root on one interval of the budget
-// curve, the order-preserving float keys, and the deterministic sample noise.
+// curve, and the deterministic sample noise (the order keys are in order_keys.h).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define FLS_HD __host__ __device__ __forceinline__
-#else
-#define FLS_HD inline
-#endif
+#include "host_device.h"
 
 namespace fastlapsum {
 
@@ -196,37 +192,6 @@ FLS_HD double psi_at_hi(double C, double A, double B, double hi, double lo, doub
 FLS_HD double psi_at_lo(double C, double A, double B, double hi, double lo, double t) {
   const double G = (A > 0.0) ? exp((lo - hi) / t) : 0.0;
   return C - 0.5 * G * A + 0.5 * B;
-}
-
-// Order-preserving unsigned keys: a < b (as floats) iff key(a) < key(b).
-// Every NaN maps to the largest key, so NaN ranks above +inf as in torch.topk.
-FLS_HD uint32_t float_key(float x) {
-  if (x != x) return 0xFFFFFFFFu;
-  uint32_t u;
-  memcpy(&u, &x, sizeof(u));
-  if (u == 0x80000000u) u = 0;  // -0 == +0
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-FLS_HD uint64_t double_key(double x) {
-  if (x != x) return 0xFFFFFFFFFFFFFFFFull;
-  uint64_t u;
-  memcpy(&u, &x, sizeof(u));
-  if (u == 0x8000000000000000ull) u = 0;
-  return (u & 0x8000000000000000ull) ? ~u : (u | 0x8000000000000000ull);
-}
-
-// Inverses of the keys (a key in a NaN range decodes to NaN).
-FLS_HD float key_to_float(uint32_t k) {
-  const uint32_t u = (k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k;
-  float x;
-  memcpy(&x, &u, sizeof(x));
-  return x;
-}
-FLS_HD double key_to_double(uint64_t k) {
-  const uint64_t u = (k & 0x8000000000000000ull) ? (k & 0x7FFFFFFFFFFFFFFFull) : ~k;
-  double x;
-  memcpy(&x, &u, sizeof(x));
-  return x;
 }
 
 // Deterministic 32-bit mixing (a counter-based generator: no state, same on CPU/GPU).

@@ -17,6 +17,7 @@
 #include "../common/atom_scan.h"
 #include "../common/bracket_rule.h"
 #include "../common/cpu_rows.h"
+#include "../common/order_keys.h"
 #include "../common/op_io.h"
 #include "../common/plan.h"
 #include "../ops.h"

@@ -11,28 +11,17 @@
 #include <utility>
 #include <vector>
 
-#include "../common/lapsum_math.h"
+#include "../common/order_keys.h"
 
 namespace fastlapsum {
-
-// a < b iff order_key(a) < order_key(b); integers: two's complement with the sign bit flipped.
-template <typename scalar_t>
-uint64_t order_key(scalar_t v) {
-  if constexpr (std::is_integral_v<scalar_t>)
-    return static_cast<uint64_t>(static_cast<int64_t>(v)) ^ (uint64_t{1} << 63);
-  else
-    return double_key(static_cast<double>(v));
-}
 
 template <typename scalar_t>
 void select_top_indices(const scalar_t* row, int64_t n, int64_t k, bool largest, bool sorted,
                         int64_t* out) {
   using Entry = std::pair<uint64_t, int64_t>;
   std::vector<Entry> e(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t key = order_key(row[i]);
-    e[i] = Entry{largest ? key : ~key, i};
-  }
+  const uint64_t flip = direction_flip<uint64_t>(largest);
+  for (int64_t i = 0; i < n; ++i) e[i] = Entry{order_key(row[i]) ^ flip, i};
   const auto better = [](const Entry& a, const Entry& b) {
     return a.first > b.first || (a.first == b.first && a.second < b.second);
   };

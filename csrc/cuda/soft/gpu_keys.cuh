@@ -6,7 +6,7 @@
 #include <cfloat>
 #include <cstdint>
 
-#include "../../common/lapsum_math.h"
+#include "../../common/order_keys.h"
 
 namespace fastlapsum {
 

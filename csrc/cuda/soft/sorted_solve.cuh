@@ -24,6 +24,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "../../common/lapsum_math.h"
+#include "../../common/order_keys.h"
 #include "warp_scan.cuh"
 
 namespace fastlapsum {
@@ -39,46 +40,23 @@ constexpr int kSortRadixBits = 5;
 template <typename Key, int kItems>
 using BlockSort = cub::BlockRadixSort<Key, kSortedThreads, kItems, cub::NullType, kSortRadixBits>;
 
-// Order-preserving sort keys: the sign-magnitude bits recentred as an offset integer
-// (0x80..0 +- magnitude). Unlike a sign-flip key, trailing zero bits of the magnitude stay
-// zero for negative scores, so fp16/bf16 rows (widened to fp32) sort only their 16-19
-// meaningful bits. -0 and +0 share a key; rows with a NaN never reach the sort.
+// The sort keys by score type: offset keys (order_keys.h), whose low bits stay zero for
+// fp16/bf16 rows (widened to fp32), so the sort covers only their 16-19 meaningful bits.
+// Rows with a NaN never reach the sort.
 template <typename scalar_t>
 struct SortKey {
   using Key = uint32_t;
   static constexpr int kBits = 32;
-  __device__ static Key key(double s) {
-    const float f = static_cast<float>(s);
-    uint32_t u;
-    memcpy(&u, &f, sizeof(u));
-    const uint32_t mag = u & 0x7fffffffu;
-    return (u >> 31) ? 0x80000000u - mag : 0x80000000u + mag;
-  }
-  __device__ static double value(Key k) {
-    const uint32_t u = k < 0x80000000u ? 0x80000000u | (0x80000000u - k) : k - 0x80000000u;
-    float f;
-    memcpy(&f, &u, sizeof(f));
-    return static_cast<double>(f);
-  }
+  __device__ static Key key(double s) { return offset_key(static_cast<float>(s)); }
+  __device__ static double value(Key k) { return static_cast<double>(offset_key_to_float(k)); }
 };
 
 template <>
 struct SortKey<double> {
   using Key = uint64_t;
   static constexpr int kBits = 64;
-  static constexpr uint64_t kMid = 0x8000000000000000ull;
-  __device__ static Key key(double s) {
-    uint64_t u;
-    memcpy(&u, &s, sizeof(u));
-    const uint64_t mag = u & (kMid - 1);
-    return (u >> 63) ? kMid - mag : kMid + mag;
-  }
-  __device__ static double value(Key k) {
-    const uint64_t u = k < kMid ? kMid | (kMid - k) : k - kMid;
-    double d;
-    memcpy(&d, &u, sizeof(d));
-    return d;
-  }
+  __device__ static Key key(double s) { return offset_key(s); }
+  __device__ static double value(Key k) { return offset_key_to_double(k); }
 };
 
 // A thread's counts of a row's non-finite scores (settle_row's input).

@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kBlock) g_hist(Params P, int stage) {
           if (j0 + u * kBlock + threadIdx.x < C) f(c[u]);
       }
     } else {
-      const bool aligned = (reinterpret_cast<uintptr_t>(xr) & 15) == 0;
+      const bool aligned = is_aligned16(xr);
       for_row<T>(xr, st.L, aligned, blockIdx.x, P.bpr, [&](float v, int64_t i) {
         f(composite(float_key(v) ^ flip, static_cast<uint32_t>(i)));
       });
@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kBlock) g_collect(Params P) {
   if (threadIdx.x == 0) ss.cnt = 0;
   __syncthreads();
   const T* xr = static_cast<const T*>(P.x) + r * P.pitch;
-  const bool aligned = (reinterpret_cast<uintptr_t>(xr) & 15) == 0;
+  const bool aligned = is_aligned16(xr);
   const uint32_t flip = P.flip;
   // key >= thr as one fp32 compare (a superset at worst, as in the row kernel)
   const float lo = key_bound(st.thr), hi = key_bound(~st.thr);
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(kBlock) g_collect(Params P) {
   const int64_t L = st.L, cap = P.cap_g;
   uint64_t* cr = P.cand + r * cap;
   const int64_t nv = (L + V - 1) / V, step = P.bpr * int64_t(kBlock) * U;
-  const auto load_tile = [&](int4(&raw)[U], int64_t v0) {
+  const auto load_tile = [&](RawVec<T>(&raw)[U], int64_t v0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t v = v0 + u * kBlock + threadIdx.x;
@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(kBlock) g_collect(Params P) {
     }
   };
   int tiles = 0;
-  int4 raw[U], next[U];
+  RawVec<T> raw[U], next[U];
   const int64_t first = blockIdx.x * int64_t(kBlock) * U;
   if (first < nv) load_tile(raw, first);
   for (int64_t v0 = first; v0 < nv; v0 += step) {  // uniform trip count
@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kBlock) g_collect(Params P) {
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         const int64_t i = (v0 + u * kBlock + threadIdx.x) * V + e;
-        if (i < L && admit(raw_score<T>(raw[u], e))) bits |= 1u << (u * V + e);
+        if (i < L && admit(raw[u][e])) bits |= 1u << (u * V + e);
       }
     uint32_t slot = warp_stage_slots(ss, static_cast<uint32_t>(__popc(bits)));
     for (uint32_t b = bits; b != 0; b &= b - 1) {
@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kBlock) g_output(Params P) {
   const int64_t r = blockIdx.y;
   GState& st = P.st[r];
   const T* xr = static_cast<const T*>(P.x) + r * P.pitch;
-  const bool aligned = (reinterpret_cast<uintptr_t>(xr) & 15) == 0;
+  const bool aligned = is_aligned16(xr);
   const uint32_t flip = P.flip;
   const int64_t gtid = blockIdx.x * int64_t(kBlock) + threadIdx.x, gthreads = P.bpr * kBlock;
   if (kMask) {

@@ -1,11 +1,13 @@
-// The exact radix select of both paths: the 64-bit composite (key, ~index) and its digits,
-// the row's vector loads and streaming loop, and the block-wide select (block_select).
+// The exact radix select of both paths: the digits of the 64-bit composite (key, ~index)
+// (order_keys.h), the row streaming loop, and the block-wide select (block_select).
 #pragma once
 
 #include <cub/block/block_scan.cuh>
 #include <cstdint>
 
 #include "../../common/lapsum_math.h"
+#include "../../common/order_keys.h"
+#include "../../common/row_vec.cuh"
 #include "tuning.cuh"
 
 namespace fastlapsum {
@@ -20,13 +22,6 @@ struct FindResult {
   uint32_t digit, above, count;
 };
 
-__device__ __forceinline__ uint64_t composite(uint32_t key, uint32_t idx) {
-  return (static_cast<uint64_t>(key) << 32) | static_cast<uint32_t>(~idx);
-}
-// int64 with the same order as the unsigned composite (sorted=True)
-__device__ __forceinline__ int64_t comp_signed(uint64_t c) {
-  return static_cast<int64_t>(c ^ 0x8000000000000000ull);
-}
 __device__ __forceinline__ int digit_shift(int p) {
   return p == 0 ? 53 : p == 1 ? 42 : p == 2 ? 32 : p == 3 ? 21 : p == 4 ? 10 : 0;
 }
@@ -42,40 +37,14 @@ template <typename T>
 __device__ __forceinline__ float to_float(T v) {
   return static_cast<float>(v);
 }
-template <typename T>
-__device__ __forceinline__ T from_key(uint32_t key, uint32_t flip) {
-  return static_cast<T>(key_to_float(key ^ flip));
-}
 
-// Vector v (V = 16/sizeof(T) scores) of a row of length L, raw: one 16-byte load when
-// whole and aligned, else scalar loads (lanes past L read as 0; callers skip them).
+// Vector v (V = 16/sizeof(T) scores) of a row of length L, raw (lanes past L read as 0;
+// callers skip them).
 template <typename T>
-__device__ __forceinline__ int4 load_raw_vec(const T* __restrict__ xr, int64_t v, int64_t L, bool aligned) {
-  constexpr int V = 16 / sizeof(T);
-  if (aligned && (v + 1) * V <= L) return __ldg(reinterpret_cast<const int4*>(xr) + v);
-  T t[V];
-#pragma unroll
-  for (int e = 0; e < V; ++e) t[e] = v * V + e < L ? xr[v * V + e] : T(0.0f);
-  int4 q;
-  memcpy(&q, t, 16);
-  return q;
-}
-
-// Score e of a raw vector, as fp32.
-template <typename T>
-__device__ __forceinline__ float raw_score(const int4& q, int e) {
-  T t[16 / sizeof(T)];
-  memcpy(t, &q, 16);
-  return to_float(t[e]);
-}
-
-// The V = 16/sizeof(T) scores of vector v of a row of length L, as fp32 (lanes past L: 0).
-template <typename T>
-__device__ __forceinline__ void load_vec(const T* __restrict__ xr, int64_t v, int64_t L, bool aligned,
-                                         float (&out)[16 / sizeof(T)]) {
-  const int4 q = load_raw_vec<T>(xr, v, L, aligned);
-#pragma unroll
-  for (int e = 0; e < 16 / static_cast<int>(sizeof(T)); ++e) out[e] = raw_score<T>(q, e);
+__device__ __forceinline__ RawVec<T> load_raw_vec(const T* __restrict__ xr, int64_t v, int64_t L, bool aligned) {
+  constexpr int V = vec_width<T>();
+  if (aligned && (v + 1) * V <= L) return {ldg16(reinterpret_cast<const uint4*>(xr) + v)};
+  return load_raw_scalar(xr, L, v * V, T(0.0f));
 }
 
 struct NoTileEnd {
@@ -96,7 +65,21 @@ __device__ __forceinline__ void for_row(const T* __restrict__ xr, int64_t L, boo
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t v = v0 + u * kT + threadIdx.x;
-      if (v < nv) load_vec<T>(xr, v, L, aligned, vals[u]);
+      // load_raw_vec spelled out, scalar tail included: through it g_hist takes 34 registers
+      // for fp16/bf16, not 31 (3 CTAs of 512 threads an SM instead of 4)
+      if (v < nv) {
+        uint4 q;
+        if (aligned && (v + 1) * V <= L) {
+          q = ldg16(reinterpret_cast<const uint4*>(xr) + v);
+        } else {
+          T t[V];
+#pragma unroll
+          for (int e = 0; e < V; ++e) t[e] = v * V + e < L ? xr[v * V + e] : T(0.0f);
+          memcpy(&q, t, 16);
+        }
+#pragma unroll
+        for (int e = 0; e < V; ++e) vals[u][e] = to_float(raw_elem<T>(q, e));
+      }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {

@@ -41,11 +41,11 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
   // the kernel's register cap, and 64-bit counters take a register pair each.
   const uint32_t nv = static_cast<uint32_t>((L + V - 1) / V), whole = static_cast<uint32_t>(L / V);
   constexpr uint32_t step = uint32_t(kT) * U;
-  const auto load_tile = [&](int4(&raw)[U], uint32_t v0) {
+  const auto load_tile = [&](RawVec<T>(&raw)[U], uint32_t v0) {
     if (aligned && v0 + step <= whole) {  // a whole aligned tile (uniform): no per-vector checks
-      const int4* p = reinterpret_cast<const int4*>(xr) + v0 + threadIdx.x;
+      const uint4* p = reinterpret_cast<const uint4*>(xr) + v0 + threadIdx.x;
 #pragma unroll
-      for (int u = 0; u < U; ++u) raw[u] = __ldg(p + u * kT);
+      for (int u = 0; u < U; ++u) raw[u].raw = ldg16(p + u * kT);
       return;
     }
 #pragma unroll
@@ -54,10 +54,10 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
       if (v < nv) raw[u] = load_raw_vec<T>(xr, v, L, aligned);
     }
   };
-  const auto score = [&](const int4(&raw)[U], int u, int e) { return raw_score<T>(raw[u], e); };
+  const auto score = [&](const RawVec<T>(&raw)[U], int u, int e) { return raw[u][e]; };
   uint32_t base = 0;
   int par = 0;  // the warp-total array of this tile
-  const auto tile = [&](const int4(&cur)[U], uint32_t v0) {
+  const auto tile = [&](const RawVec<T>(&cur)[U], uint32_t v0) {
     const uint32_t i0 = (v0 + threadIdx.x) * V;  // score (u, e) is i0 + u*kT*V + e
     uint32_t bits = 0;
     if (v0 + step <= whole) {  // whole tile (uniform in the block)
@@ -89,7 +89,7 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
     base += agg;
     par ^= 1;
   };
-  int4 ta[U], tb[U];
+  RawVec<T> ta[U], tb[U];
   load_tile(ta, 0);
   if constexpr (kTwoTiles) {
     // Two register tiles in turn, each loaded while the other is tested: the copy below

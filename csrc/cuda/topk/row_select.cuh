@@ -20,7 +20,7 @@ __global__ void __launch_bounds__(kT, 1024 / kT) row_select_kernel(Params P) {
   const int64_t r = blockIdx.x;
   const int tid = threadIdx.x;
   const T* xr = static_cast<const T*>(P.x) + r * P.pitch;
-  const bool aligned = (reinterpret_cast<uintptr_t>(xr) & 15) == 0;
+  const bool aligned = is_aligned16(xr);
   const uint32_t flip = P.flip;
   T* mrow = kMask ? static_cast<T*>(P.out_mask) + r * P.n : nullptr;
 

@@ -311,7 +311,7 @@ std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k, 
   P.n = n;
   P.K = k;
   P.lengths = len.defined() ? len.const_data_ptr<int64_t>() : nullptr;
-  P.flip = largest ? 0u : 0xFFFFFFFFu;
+  P.flip = direction_flip<uint32_t>(largest);
   P.out_idx = indices.mutable_data_ptr<int64_t>();
   P.out_comp = want_comp ? comp.mutable_data_ptr<int64_t>() : nullptr;
   P.warp_sort = plan.sort_in_kernel ? 1 : 0;
@@ -347,7 +347,7 @@ at::Tensor hard_mask_cuda(const at::Tensor& x_in, const at::Tensor& k, const at:
   P.K = plan.K;  // the plan's bound (-1: none); each row's take is its k_r (row_budget)
   P.kvec = k.const_data_ptr<double>();
   P.nan_rows = b.defined() ? b.const_data_ptr<double>() : nullptr;
-  P.flip = largest ? 0u : 0xFFFFFFFFu;
+  P.flip = direction_flip<uint32_t>(largest);
   P.out_mask = nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fastlapsum_hard_mask_cuda", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "../../common/lapsum_math.h"  // FLS_HD
+#include "../../common/host_device.h"
 
 namespace fastlapsum {
 namespace {

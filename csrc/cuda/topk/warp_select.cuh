@@ -64,14 +64,6 @@ __device__ __forceinline__ uint32_t warp_inclusive_sum(uint32_t x, int lane) {
   return x;
 }
 
-// float_key(v) ^ flip without branches (NaN: all ones; -0: +0's key).
-__device__ __forceinline__ uint32_t score_key(float v, uint32_t flip) {
-  uint32_t u = __float_as_uint(v);
-  u = u == 0x80000000u ? 0u : u;
-  u ^= static_cast<uint32_t>(static_cast<int32_t>(u) >> 31) | 0x80000000u;
-  return (v != v ? 0xFFFFFFFFu : u) ^ flip;
-}
-
 // How many of a lane's keys satisfy pred: the tests as bits of a word and one popcount per
 // 32 keys (a compare and a bit merge a key, or a P2R per seven; summing 0/1 values took
 // about three instructions a key).
@@ -174,19 +166,19 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
   }
 
   // ---- the row's keys: every load in flight before the first is used ----
-  const bool aligned = (reinterpret_cast<uintptr_t>(xr) & 15) == 0;
+  const bool aligned = is_aligned16(xr);
   uint32_t key[kI];
   {
-    int4 raw[kC];
+    RawVec<T> raw[kC];
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
       const uint32_t v = c * 32 + lane;
-      raw[c] = v * V < L ? load_raw_vec<T>(xr, v, L, aligned) : int4{0, 0, 0, 0};  // reads only scores < L
+      raw[c] = v * V < L ? load_raw_vec<T>(xr, v, L, aligned) : RawVec<T>{};  // reads only scores < L
     }
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
 #pragma unroll
-      for (int e = 0; e < V; ++e) key[c * V + e] = score_key(raw_score<T>(raw[c], e), flip);
+      for (int e = 0; e < V; ++e) key[c * V + e] = float_key(raw[c][e]) ^ flip;
       const uint32_t v = c * 32 + lane;
       if ((v + 1) * V > L) {  // the row's tail vector or past it
 #pragma unroll
@@ -273,7 +265,7 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
   const bool staged = !kMask && take <= kSortMax;  // outputs through shared memory
   uint64_t* stage = stage_all[w];
   T* mrow = kMask ? static_cast<T*>(P.out_mask) + r * P.n : nullptr;
-  const bool mask_aligned = kMask && (reinterpret_cast<uintptr_t>(mrow) & 15) == 0;
+  const bool mask_aligned = kMask && is_aligned16(mrow);
   uint32_t gt_base = 0, tie_base = 0;  // over the chunks before this one
 #pragma unroll
   for (int c = 0; c < kC; ++c) {
@@ -301,9 +293,9 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
 #pragma unroll
         for (int e = 0; e < V; ++e) t[e] = static_cast<T>((sm >> e) & 1u ? 1.0f : 0.0f);
         if (mask_aligned && (v + 1) * V <= P.n) {
-          int4 q;
+          uint4 q;
           memcpy(&q, t, 16);
-          reinterpret_cast<int4*>(mrow)[v] = q;
+          reinterpret_cast<uint4*>(mrow)[v] = q;
         } else {
 #pragma unroll
           for (int e = 0; e < V; ++e)
@@ -358,7 +350,7 @@ __global__ void __launch_bounds__(TopkTuning::kThreadRowsPerCta) thread_select_k
   uint32_t key[kN], rank[kN];
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
-    key[i] = static_cast<uint32_t>(i) < L ? score_key(to_float(xr[i]), P.flip) : 0u;
+    key[i] = static_cast<uint32_t>(i) < L ? float_key(to_float(xr[i])) ^ P.flip : 0u;
     rank[i] = 0;
   }
 #pragma unroll
