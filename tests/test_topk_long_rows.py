@@ -36,8 +36,12 @@ def check(x, k, *, largest=True, lengths=None, regime=None):
     assert torch.equal(is_, io), "sorted indices differ from the oracle"
     torch.testing.assert_close(vs, vo, rtol=0, atol=0, equal_nan=True)
     if lengths is None:
+        # torch.topk as a second witness on rows without NaN: its CUDA top-k does not rank NaN
+        # consistently (pytorch/pytorch#117617; on the H200, bf16 rows with 30 NaN among 6000
+        # scores came back without NaN first); the oracle above is the contract for NaN.
         vt = torch.topk(x, k, largest=largest, sorted=True).values
-        torch.testing.assert_close(vs, vt, rtol=0, atol=0, equal_nan=True)
+        clean = ~x.isnan().any(1)
+        torch.testing.assert_close(vs[clean], vt[clean], rtol=0, atol=0)
     vu, iu = fastlapsum.topk(x, k, largest=largest, sorted=False, lengths=lengths)
     take = torch.full((rows,), k, device=x.device) if lengths is None else lengths.clamp(0, n).clamp(max=k)
     slot = torch.arange(k, device=x.device)[None, :]
