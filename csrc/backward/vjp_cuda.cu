@@ -20,6 +20,19 @@
 namespace fastlapsum {
 namespace {
 
+// Elements per group of the streaming reduction: the fp32 sums of a group are folded into
+// the thread's fp64 ones at once.
+constexpr int kGroup = 8;
+
+// VjpSums::merge as a CUB reduction operator.
+struct VjpSumOp {
+  double inv_t;
+  __device__ VjpSums operator()(VjpSums a, const VjpSums& b) const {
+    a.merge(b, inv_t);
+    return a;
+  }
+};
+
 // the threshold VJP has no upstream tensor (grad == nullptr)
 template <typename scalar_t>
 __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ x,

@@ -4,7 +4,7 @@
 // twice and gives a short row a block of mostly idle threads per launch).
 #pragma once
 
-#include <cub/block/block_reduce.cuh>
+#include <type_traits>
 
 #include "../common/cuda_launch.cuh"
 #include "../common/gpu_rows.cuh"
@@ -13,18 +13,6 @@
 #include "vjp_terms_f32.cuh"
 
 namespace fastlapsum {
-
-// Elements per group of the fp32 reduction: the fp32 sums of a group are folded into the
-// thread's fp64 ones at once.
-constexpr int kGroup = 8;
-
-struct VjpSumOp {
-  double inv_t;
-  __device__ VjpSums operator()(VjpSums a, const VjpSums& b) const {
-    a.merge(b, inv_t);
-    return a;
-  }
-};
 
 // Row reductions of vjp_rows_kernel over kRowThreads threads (8, 16 or 32 lanes of a warp, or
 // the CTA). Every thread of the row ends with the same bits: a butterfly across the row's

@@ -98,9 +98,6 @@ struct SumsF32 {
     G += gw * wh;
     Gd += gw * wh * dd;
   }
-  __device__ __forceinline__ void operator+=(const SumsF32& o) {
-    tw += o.tw; G += o.G; twd += o.twd; Gd += o.Gd; Ga += o.Ga; Gad += o.Gad;
-  }
   // as VjpSums about the reference (|d| = m, d = dref); no reference (m = +inf): empty
   __device__ __forceinline__ VjpSums about(double m, double dref) const {
     VjpSums v;

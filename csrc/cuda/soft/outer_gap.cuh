@@ -34,13 +34,7 @@ __device__ __forceinline__ GapSum gap_sum_part(const Key (&keys)[kItems], bool t
 }
 
 // Butterfly over kLanes lanes of a group (kLanes = 32: the warp): every lane ends with the
-// same fold. The sums' whole parts are at most a short row's length (32 bits).
-template <int kLanes, typename T, typename Op>
-__device__ __forceinline__ T group_fold(T x, Op op) {
-#pragma unroll
-  for (int d = kLanes / 2; d > 0; d >>= 1) x = op(x, LaneGroup<kLanes>::exchange(x, d));
-  return x;
-}
+// same sum. The sums' whole parts are at most a short row's length (32 bits).
 template <int kLanes>
 __device__ __forceinline__ GapSum group_sum(GapSum S) {
 #pragma unroll
@@ -58,12 +52,8 @@ __device__ __forceinline__ double outer_gap_group(const Score& score, Key key_mi
                                                   double t) {
   const double side = outer_gap_side(kf, nf);
   const bool top = side > 0.0;
-  Key best = top ? key_max : static_cast<Key>(~key_min);  // a lane without finite scores: 0
-#if __CUDA_ARCH__ >= 800
-  if constexpr (sizeof(Key) == 4) best = __reduce_max_sync(LaneGroup<kLanes>::mask(), best);
-  else
-#endif
-    best = group_fold<kLanes>(best, [](Key a, Key b) { return a > b ? a : b; });
+  // a lane without finite scores: 0
+  const Key best = LaneGroup<kLanes>::max(top ? key_max : static_cast<Key>(~key_min));
   const double m = SK::value(top ? best : static_cast<Key>(~best));
   const GapExp e(t);
   GapSum S{0, 0};

@@ -91,13 +91,20 @@ struct LaneGroup {
   __device__ static T exchange(T v, int m) { return __shfl_xor_sync(mask(), v, m, kLanes); }
   template <typename T>
   __device__ static T from(T v, int src) { return __shfl_sync(mask(), v, src, kLanes); }  // group-relative src
-  __device__ static int max(int x) {
+  // 32-bit values: one REDUX on sm_80+; others (and older GPUs): a butterfly.
+  template <typename T>
+  __device__ static T max(T x) {
 #if __CUDA_ARCH__ >= 800
-    return __reduce_max_sync(mask(), x);
-#else
-    for (int d = kLanes / 2; d > 0; d >>= 1) x = ::max(x, exchange(x, d));
-    return x;
+    if constexpr (sizeof(T) == 4) return __reduce_max_sync(mask(), x);
+    else
 #endif
+    {
+      for (int d = kLanes / 2; d > 0; d >>= 1) {
+        const T y = exchange(x, d);
+        x = x > y ? x : y;
+      }
+      return x;
+    }
   }
   __device__ static uint32_t sum(uint32_t x) {
 #if __CUDA_ARCH__ >= 800
