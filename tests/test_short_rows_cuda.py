@@ -12,8 +12,8 @@ import torch
 import fastlapsum as fl
 from fastlapsum import reference
 
-from conftest import (BUDGET_TOL, DTYPES, P_TOL, assert_b_matches_cpu, budget_error, mask_floor, outer_gap_test,
-                      requires_cuda)
+from conftest import (BUDGET_TOL, DTYPES, P_TOL, assert_b_matches_cpu, budget_error, gap_precision, mask_floor,
+                      outer_gap_test, requires_cuda)
 
 F64 = torch.float64
 EPS64 = torch.finfo(F64).eps
@@ -185,14 +185,15 @@ def same_or_close(a, b, rtol, atol):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", NS)
 def test_short_rows_match_cpu(n, dtype, largest):
-    """The same rows on CUDA and on the CPU: thresholds (both solve the sorted row in fp64),
+    """The same rows on CUDA and on the CPU: thresholds (both solve the sorted row in fp64;
+    the outer gap of 16/32-bit rows sums fp32 terms on CUDA: gap_precision),
     masks, log masks and the diagnostics (path, finite scores sorted, attempts)."""
     x64, k, t, _ = batch(n, seed=1)
     xc = x64.to(dtype)
     xg, kg, tg = xc.cuda(), k.cuda(), t.cuda()
     bc = fl.lapsum_threshold(xc, k, t, largest=largest)
     bg = fl.lapsum_threshold(xg, kg, tg, largest=largest).cpu()
-    assert same_or_close(bg, bc, 1e-9, 1e-9 * t), (bg - bc).abs().max()
+    assert same_or_close(bg, bc, 1e-9, gap_precision("cuda", dtype) * t), (bg - bc).abs().max()
     # where |b| >> t, the thresholds' last bits (the two solvers round differently) move the
     # mask by up to a density (1/2) times a few ulps of b over t
     fin = torch.isfinite(bc)
@@ -232,12 +233,12 @@ def test_many_short_rows_match_cpu(n, dtype):
     path, middle = info.path.cpu(), info.middle_size.cpu()
     gap = torch.tensor([outer_gap_test(x[r].double(), k[r].item(), t[r].item())[0] for r in range(rows)])
     ratio = torch.tensor([outer_gap_test(x[r].double(), k[r].item(), t[r].item())[1] for r in range(rows)])
-    clear = (ratio - 1).abs() > 1e-9  # the kernels' sums may round either way at the boundary
+    clear = (ratio - 1).abs() > gap_precision("cuda", dtype)  # sums may round either way at the boundary
     assert gap.any() and (~gap).any()
     assert (path[clear & gap] == fl.PATH_OUTER_GAP).all() and (path[clear & ~gap] == fl.PATH_SORT).all()
     assert (middle == torch.where(path == fl.PATH_SORT, n, 0)).all() and (info.attempts == 0).all()
     ic = fl.lapsum_diagnostics(x, k, t)
-    assert torch.equal(path, ic.path)
+    assert torch.equal(path[clear], ic.path[clear])
     assert_b_matches_cpu(info.threshold, ic.threshold, t)
 
 
@@ -258,7 +259,7 @@ def test_extreme_temperatures_match_cpu(n):
         for largest in (True, False):
             bc = fl.lapsum_threshold(x, k, t, largest=largest)
             bg = fl.lapsum_threshold(x.cuda(), k.cuda(), t.cuda(), largest=largest).cpu()
-            assert same_or_close(bg, bc, 1e-9, 1e-9 * t), (bg, bc)
+            assert same_or_close(bg, bc, 1e-9, gap_precision("cuda", x.dtype) * t), (bg, bc)
             pc = fl.soft_topk(x, k, t, largest=largest).double()
             pg = fl.soft_topk(x.cuda(), k.cuda(), t.cuda(), largest=largest).cpu().double()
             assert (pg - pc).abs().max().item() <= P_TOL[x.dtype]

@@ -29,6 +29,7 @@ enum SolveMethod : int64_t { kMethodAuto = 0, kMethodSort = 1, kMethodBracket = 
 
 // isfinite that means the same in host and device code (x - x is NaN for inf and NaN).
 FLS_HD bool is_finite(double x) { return x - x == 0.0; }
+FLS_HD bool is_finite(float x) { return x - x == 0.0f; }
 
 // F(u): standard Laplace CDF.
 FLS_HD double laplace_cdf(double u) {

@@ -64,16 +64,18 @@ struct SoftPlan {
 // On chip: the warp kernel with the fewest lanes, then the fewest keys a lane (a power of two:
 // the bitonic network), that hold the row; the CTA kernel with the fewest keys a thread
 // (padding costs every sort pass).
-inline void plan_on_chip(SoftPlan& p, int64_t rows, int64_t n, bool fp64) {
+inline void plan_on_chip(SoftPlan& p, int64_t rows, int64_t n, bool fp64, const SoftLaunchTuning& tu) {
   if (p.regime == kSoftWarpRows) {
     p.lanes = SoftTuning::kMinLanesPerRow;
     while (p.lanes < 32 && n > p.lanes) p.lanes *= 2;
     p.items = 1;
     if (p.lanes == 32)
       while (p.items < 32 && 32 * p.items < SoftTuning::warp_row_max(fp64) && n > 32 * p.items) p.items *= 2;
-    const int64_t per_cta = int64_t(SoftTuning::kWarpRowsPerCta) * (32 / p.lanes);
+    const int warps = std::min(p.items <= 16 ? tu.warp_rows_cta_warps : tu.warp_rows_cta_warps_long,
+                               SoftTuning::kWarpRowsMaxWarps);
+    const int64_t per_cta = int64_t(warps) * (32 / p.lanes);
     p.blocks = (rows + per_cta - 1) / per_cta;
-    p.threads = SoftTuning::kWarpRowsPerCta * 32;
+    p.threads = warps * 32;
   } else {
     p.lanes = 0;
     p.items = n <= kShortThreads * 2 ? 2 : n <= kShortThreads * 4 ? 4 : 8;

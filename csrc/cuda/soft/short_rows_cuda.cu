@@ -135,15 +135,15 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
 }
 
 // One row per group of kLanes lanes (a warp, or 8 / 16 lanes for rows of at most that many
-// scores), kWarpRowsPerCta warps per CTA, n <= kLanes * kItems: striped loads (coalesced);
-// the census (non-finite counts, each lane's finite extremes); the outer gap, re-reading the
-// row (from L1), so that no keys are live while it runs; where it fails, the keys padded with
+// scores), the plan's warps per CTA, n <= kLanes * kItems: striped loads (coalesced); the
+// census (non-finite counts, each lane's finite extremes); the outer gap, re-reading the row
+// (from L1), so that no keys are live while it runs; where it fails, the keys padded with
 // 0 (below every score's key, so the padding sorts last) from a third read, the sort and
 // solve of warp_rows.cuh; the mask re-reading the row. A group past the last row leaves at
 // once (whole groups only: the shuffles below need all of the group's lanes; the groups of
 // a warp shuffle under their own masks, so they may part ways).
 template <typename scalar_t, int kItems, int kLanes>
-__global__ void __launch_bounds__(SoftTuning::kWarpRowsPerCta * 32,
+__global__ void __launch_bounds__(SoftTuning::kWarpRowsMaxWarps * 32,
                                   SoftTuning::warp_min_blocks(kItems, sizeof(typename SortKey<scalar_t>::Key)))
 warp_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, const double* __restrict__ t_in,
                  double* __restrict__ b_out, double* __restrict__ edge_out, int64_t* __restrict__ diag,
@@ -152,21 +152,28 @@ warp_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in
   using SK = SortKey<scalar_t>;
   using Key = typename SK::Key;
   using G = LaneGroup<kLanes>;
-  constexpr int kRowsPerCta = SoftTuning::kWarpRowsPerCta * (32 / kLanes);
   const int lane = G::lane();
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x / kLanes;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kLanes) + threadIdx.x / kLanes;
   if (r >= rows) return;
   const scalar_t* row = x + r * n;
   const double k = k_in[r], t = t_in[r];
 
   const int nn = static_cast<int>(n);  // at most warp_row_max
+  // Scores in SK::Score (fp32 for 16/32-bit rows: exact, and no fp64 conversion per score).
+  using Score = typename SK::Score;
+  const Score sgn = static_cast<Score>(sign);
+  const auto score = [&](int q) {  // position q * kLanes + lane, NaN past the row
+    const int i = q * kLanes + lane;
+    const Score s = sgn * static_cast<Score>(row[clamp_index(i, nn)]);
+    return i < nn ? s : Score(NAN);
+  };
   NonFiniteCount count;
   KeyStats<Key> ext;  // min/max of the lane's finite keys
 #pragma unroll
   for (int q = 0; q < kItems; ++q) {
-    const int64_t i = q * kLanes + lane;
-    if (i < n) {
-      const double s = sign * static_cast<double>(row[i]);
+    const int i = q * kLanes + lane;
+    if (i < nn) {  // a load of its own: sharing score(q)'s would keep every score live to the sort
+      const Score s = sgn * static_cast<Score>(row[i]);
       count.add(s);
       ext.add(SK::key(s), is_finite(s));
     }
@@ -176,18 +183,13 @@ warp_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in
   const bool settled = settle_row(k, t, static_cast<double>(n), nan, pinf, ninf, &b, &edge, &kf);
   int sorted = 0;
   if (!settled) {  // uniform across the group, as is the gap's test
-    const auto score = [&](int q) {  // position q * kLanes + lane, NaN past the row
-      const int i = q * kLanes + lane;
-      const double s = sign * static_cast<double>(row[clamp_index(i, nn)]);
-      return i < nn ? s : NAN;
-    };
     b = outer_gap_group<SK, kItems, kLanes>(score, ext.min, ext.max, kf, nn - pinf - ninf, t);
     if (b != b) {
       sorted = nn - pinf - ninf;
       Key keys[kItems];
 #pragma unroll
       for (int q = 0; q < kItems; ++q) {
-        const double s = score(q);
+        const Score s = score(q);
         keys[q] = s == s ? SK::key(s) : Key(0);
       }
       warp_sort_descending<Key, kItems, kLanes>(keys);  // positions [0, n) hold the row, padding after

@@ -47,25 +47,31 @@ template <typename scalar_t>
 struct SortKey {
   using Key = uint32_t;
   static constexpr int kBits = 32;
+  using Score = float;  // a signed score, exactly (fp16/bf16 widen exactly)
   __device__ static Key key(double s) { return offset_key(static_cast<float>(s)); }
-  __device__ static double value(Key k) { return static_cast<double>(offset_key_to_float(k)); }
+  __device__ static Key key(float s) { return offset_key(s); }
+  __device__ static float score(Key k) { return offset_key_to_float(k); }
+  __device__ static double value(Key k) { return static_cast<double>(score(k)); }
 };
 
 template <>
 struct SortKey<double> {
   using Key = uint64_t;
   static constexpr int kBits = 64;
+  using Score = double;
   __device__ static Key key(double s) { return offset_key(s); }
-  __device__ static double value(Key k) { return offset_key_to_double(k); }
+  __device__ static double score(Key k) { return offset_key_to_double(k); }
+  __device__ static double value(Key k) { return score(k); }
 };
 
 // A thread's counts of a row's non-finite scores (settle_row's input).
 struct NonFiniteCount {
   int nan = 0, pinf = 0, ninf = 0;
-  __device__ __forceinline__ void add(double s) {
+  template <typename Score>  // float or double
+  __device__ __forceinline__ void add(Score s) {
     nan += s != s;
-    pinf += s == INFINITY;
-    ninf += s == -INFINITY;
+    pinf += s == Score(INFINITY);
+    ninf += s == -Score(INFINITY);
   }
 };
 

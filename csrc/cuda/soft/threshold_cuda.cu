@@ -74,7 +74,7 @@ SoftPlan plan_soft_cuda(int64_t rows, int64_t n, at::ScalarType dtype, int64_t m
   plan.regime = soft_regime_cuda(n, dtype, method);
   if (rows == 0 || n == 0) return plan;  // nothing to launch
   if (on_chip(plan.regime)) {
-    plan_on_chip(plan, rows, n, dtype == at::kDouble);
+    plan_on_chip(plan, rows, n, dtype == at::kDouble, soft_launch_tuning(compute_capability()));
     return plan;
   }
   const auto propose_wave = [&] {

@@ -17,14 +17,14 @@ struct SoftTuningSm90 {
   static constexpr int64_t kWarpRowMax = 1024;
   static constexpr int64_t kWarpRowMaxF64 = 512;  // 32 fp64 keys a lane spill at 128 registers
   static constexpr int64_t warp_row_max(bool fp64) { return fp64 ? kWarpRowMaxF64 : kWarpRowMax; }
-  // Rows (warps) per CTA of the warp-per-row kernel: it uses no shared memory, so this only
-  // sets the scheduling grain.
-  static constexpr int kWarpRowsPerCta = 8;
+  // The most warps a CTA of the warp-per-row kernel has (its __launch_bounds__; the plan
+  // launches SoftLaunchTuning::warp_rows_cta_warps <= this).
+  static constexpr int kWarpRowsMaxWarps = 8;
   // The fewest lanes a row of the warp kernel takes (8, 16 or 32): rows of n <= 8 share a
   // warp four ways, n <= 16 two ways (one key a lane).
   static constexpr int kMinLanesPerRow = 8;
   // CTAs an SM that the warp kernel's registers are sized for (__launch_bounds__), by keys a
-  // lane and key bytes: the most that ptxas fits without spills at kWarpRowsPerCta = 8
+  // lane and key bytes: the most that ptxas fits without spills at kWarpRowsMaxWarps = 8
   // (4: 64 registers, 3: 80, 2: 128).
   static constexpr int warp_min_blocks(int items, int key_bytes) {
     return items <= 2 ? 4 : items <= (key_bytes == 8 ? 8 : 16) ? 3 : 2;
@@ -58,6 +58,11 @@ struct SoftLaunchTuning {
   // The register VJP (vjp_rows.cuh): a warp a row up to vjp_warp_row_max scores, a CTA a row up
   // to vjp_cta_row_max; longer rows stream.
   int64_t vjp_warp_row_max, vjp_cta_row_max;
+  // Warps a CTA of the forward's warp-per-row kernel (<= SoftTuning::kWarpRowsMaxWarps), for
+  // rows of at most 16 keys a lane and for longer ones. Its rows differ in cost (the outer gap
+  // or a sort) and a CTA frees its slot only when its slowest row is done, so short rows take
+  // small CTAs; rows of 32 keys a lane (128 registers) run best in full ones.
+  int warp_rows_cta_warps, warp_rows_cta_warps_long;
 };
 
 inline constexpr SoftLaunchTuning kSoftLaunchSm90 = {
@@ -74,6 +79,8 @@ inline constexpr SoftLaunchTuning kSoftLaunchSm90 = {
     /*vjp_fold_in_apply_max=*/16,
     /*vjp_warp_row_max=*/1024,
     /*vjp_cta_row_max=*/8192,
+    /*warp_rows_cta_warps=*/4,
+    /*warp_rows_cta_warps_long=*/8,
 };
 
 // The launch numbers for a device of compute capability major.minor (e.g. 9.0 -> 90).
