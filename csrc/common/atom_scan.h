@@ -81,23 +81,27 @@ FLS_HD GapHit<typename Curve::Above> walk_gaps(const Curve& curve, AtomAt atom_a
   typename Curve::Above prev = above;  // the sums above the last atom passed
   int64_t prev_j = -1;
   bool prev_range = false;
-  // The gap found, B below its lower end lo: Psi(prev.hi) < k <= Psi(lo), so the root lies
-  // inside the atom above where Psi at that atom's lower end is still > k.
-  const auto found = [&](double B, double lo) {
-    if (prev_range && curve.psi_hi(above, B, lo) > k) return Hit{prev, B, lo, prev_j};
-    return Hit{above, B, lo, -1};
-  };
+  double B = 0.0, lo = lo_end;
+  bool found = false;
   for (int64_t j = 0; j < P; ++j) {
     const auto a = atom_at(j);
     if (a.count == 0.0) continue;
-    const double B = below_at(j);
-    if (curve.psi_lo(above, B, a.hi) >= k) return found(B, a.hi);
+    B = below_at(j);
+    if (curve.psi_lo(above, B, a.hi) >= k) {
+      lo = a.hi;
+      found = true;
+      break;
+    }
     prev = above;
     prev_j = j;
     prev_range = a.lo < a.hi;
     curve.add(above, a);
   }
-  return found(below_at(P), lo_end);
+  if (!found) B = below_at(P);
+  // Psi(prev.hi) < k <= Psi(lo): the root lies inside the atom above the gap where Psi at
+  // that atom's lower end is still > k.
+  if (prev_range && curve.psi_hi(above, B, lo) > k) return Hit{prev, B, lo, prev_j};
+  return Hit{above, B, lo, -1};
 }
 
 // The frame of atoms with edge-relative sums: above a gap, a Tail (count C, A against the
