@@ -56,6 +56,90 @@ FLS_HD void atom_merge(Atom& a, const Atom& b, double inv_t) {
   a.count += b.count;
 }
 
+// What walk_gaps found: the root lies in the gap (lo, above's upper end) with `above` the
+// sums over everything above the gap and B those below it against lo; or, where inside >= 0,
+// strictly inside range atom `inside`, with `above` the sums above that atom and B, lo those
+// below it.
+template <typename Above>
+struct GapHit {
+  Above above;
+  double B, lo;
+  int64_t inside;
+};
+
+// The walk of §1.1 over the gaps between atoms, highest first, in any frame of sums. Gap j
+// lies above atom j (above the lower tail, whose top is lo_end, for j = P); below_at(j) is
+// B there: the sums of atom j and everything below it. The root lies in the first gap whose
+// lower end has Psi >= k (the last gap if none), unless the atom above that gap is a range
+// whose lower end still has Psi > k: then inside it. Empty atoms (count 0) are no atoms.
+// The Curve gives the frame: its Above (the sums above a gap), add (an atom joins them),
+// psi_lo / psi_hi (Psi at the gap's lower / upper end).
+template <typename Curve, typename AtomAt, typename BelowAt>
+FLS_HD GapHit<typename Curve::Above> walk_gaps(const Curve& curve, AtomAt atom_at, BelowAt below_at, int64_t P,
+                                               typename Curve::Above above, double lo_end, double k) {
+  using Hit = GapHit<typename Curve::Above>;
+  typename Curve::Above prev = above;  // the sums above the last atom passed
+  int64_t prev_j = -1;
+  bool prev_range = false;
+  double B = 0.0, lo = lo_end;
+  bool found = false;
+  for (int64_t j = 0; j < P; ++j) {
+    const auto a = atom_at(j);
+    if (a.count == 0.0) continue;
+    B = below_at(j);
+    if (curve.psi_lo(above, B, a.hi) >= k) {
+      lo = a.hi;
+      found = true;
+      break;
+    }
+    prev = above;
+    prev_j = j;
+    prev_range = a.lo < a.hi;
+    curve.add(above, a);
+  }
+  if (!found) B = below_at(P);
+  // Psi(prev.hi) < k <= Psi(lo): the root lies inside the atom above the gap where Psi at
+  // that atom's lower end is still > k.
+  if (prev_range && curve.psi_hi(above, B, lo) > k) return Hit{prev, B, lo, prev_j};
+  return Hit{above, B, lo, -1};
+}
+
+// The frame of atoms with edge-relative sums: above a gap, a Tail (count C, A against the
+// gap's upper end hi = ref); below it, B against its lower end lo.
+struct AtomCurve {
+  using Above = Tail;
+  double t;
+  FLS_HD void add(Tail& s, const Atom& a) const {
+    s.sum = (s.sum > 0.0 ? s.sum * exp((a.lo - s.ref) / t) : 0.0) + a.U;
+    s.count += a.count;
+    s.ref = a.lo;
+  }
+  FLS_HD double psi_lo(const Tail& s, double B, double lo) const { return psi_at_lo(s.count, s.sum, B, s.ref, lo, t); }
+  FLS_HD double psi_hi(const Tail& s, double B, double lo) const { return psi_at_hi(s.count, s.sum, B, s.ref, lo, t); }
+};
+
+// The gap or the range atom that holds the root, over atoms (atom_at(i), i = 0 the highest;
+// empty ones skipped) between the tails. suffix_B is scratch of length P + 1. Requires
+// Psi(above.ref) <= k <= Psi(below.ref).
+template <typename AtomAt>
+FLS_HD GapHit<Tail> find_gap(AtomAt atom_at, int64_t P, Tail above, Tail below, double k, double t,
+                             double* suffix_B) {
+  // suffix_B[j]: sum over atoms j.. and the lower tail of e^{(s - lo_j)/t}, lo_j = atom j's hi.
+  suffix_B[P] = below.sum;
+  double lo_next = below.ref;
+  for (int64_t j = P - 1; j >= 0; --j) {
+    const Atom a = atom_at(j);
+    if (a.count == 0.0) {
+      suffix_B[j] = suffix_B[j + 1];
+      continue;
+    }
+    const double carry = suffix_B[j + 1] > 0.0 ? suffix_B[j + 1] * exp((lo_next - a.hi) / t) : 0.0;
+    suffix_B[j] = carry + a.L;
+    lo_next = a.hi;
+  }
+  return walk_gaps(AtomCurve{t}, atom_at, [&](int64_t j) { return suffix_B[j]; }, P, above, below.ref, k);
+}
+
 struct ScanResult {
   double b;        // the root, when found
   int64_t inside;  // -1, or the index of the range atom that holds the root
@@ -63,41 +147,14 @@ struct ScanResult {
   Tail below;
 };
 
-// atom_at(i) returns Atom i (i = 0 is the highest). suffix_B is scratch of length
-// P + 1. Requires Psi(above.ref) <= k <= Psi(below.ref).
+// find_gap, and the root solved in closed form when it lies in a gap.
 template <typename AtomAt>
 FLS_HD ScanResult scan_atoms(AtomAt atom_at, int64_t P, Tail above, Tail below, double k,
                              double t, double* suffix_B) {
-  // suffix_B[j]: sum over atoms j.. and the lower tail of e^{(s - lo_j)/t}, lo_j = atom j's hi.
-  suffix_B[P] = below.sum;
-  double lo_next = below.ref;
-  for (int64_t j = P - 1; j >= 0; --j) {
-    const Atom a = atom_at(j);
-    const double carry = suffix_B[j + 1] > 0.0 ? suffix_B[j + 1] * exp((lo_next - a.hi) / t) : 0.0;
-    suffix_B[j] = carry + a.L;
-    lo_next = a.hi;
-  }
-  double C = above.count, A = above.sum, hi = above.ref;
-  double C_prev = C, A_prev = A, hi_prev = hi;
-  Atom prev{0, 0, 0, 0, 0};
-  for (int64_t j = 0; j <= P; ++j) {
-    const Atom a = j < P ? atom_at(j) : Atom{below.ref, below.ref, 0, 0, 0};
-    const double lo = a.hi;
-    const double B = suffix_B[j];
-    if (j == P || psi_at_lo(C, A, B, hi, lo, t) >= k) {
-      if (j > 0 && prev.lo < prev.hi && psi_at_hi(C, A, B, hi, lo, t) > k) {
-        // Psi(prev.hi) < k < Psi(prev.lo): the root lies inside the previous atom.
-        return ScanResult{0.0, j - 1, Tail{C_prev, A_prev, hi_prev}, Tail{0.0, B, lo}};
-      }
-      return ScanResult{solve_interval(C, A, B, hi, lo, k, t), -1, Tail{}, Tail{}};
-    }
-    C_prev = C; A_prev = A; hi_prev = hi;
-    A = (A > 0.0 ? A * exp((a.lo - hi) / t) : 0.0) + a.U;
-    C += a.count;
-    hi = a.lo;
-    prev = a;
-  }
-  return ScanResult{NAN, -1, Tail{}, Tail{}};  // unreachable
+  const GapHit<Tail> h = find_gap(atom_at, P, above, below, k, t, suffix_B);
+  if (h.inside >= 0) return ScanResult{0.0, h.inside, h.above, Tail{0.0, h.B, h.lo}};
+  const Tail& a = h.above;
+  return ScanResult{solve_interval(a.count, a.sum, h.B, a.ref, h.lo, k, t), -1, Tail{}, Tail{}};
 }
 
 }  // namespace fastlapsum

@@ -178,44 +178,25 @@ __device__ __noinline__ void scan_row(ScanStorage<kThreads>& sm, int64_t r, RowS
       }
       __syncthreads();
       if (j == sm.owner) {
-        // The owner's walk, descending, every bin's two tests computed (their exponentials
-        // overlap) and the first bin that passes one taken: Psi >= k at its upper edge puts
-        // the root in the gap above it, Psi > k at its lower edge (bin counted above) inside it.
+        // atom_scan.h's walk over the group's bins, highest first (w = 0 is bin base + kBinsPer - 1).
         FlatAtom a[kBinsPer];
-        double below_l[kBinsPer];  // the sums below each bin, lower tail included
-        double run_l = below_g.l;
+        double below_l[kBinsPer + 1];  // below_l[w]: the l sums of bin w and every score below it
+        below_l[kBinsPer] = below_g.l;
 #pragma unroll
-        for (int q = 0; q < kBinsPer; ++q) {
-          a[q] = flat_bin<KT>(load_cg(h + base + q), lo, hi, shift, base + q);
-          below_l[q] = run_l;
-          run_l += a[q].l;
+        for (int w = kBinsPer - 1; w >= 0; --w) {
+          const int bin = base + kBinsPer - 1 - w;
+          a[w] = flat_bin<KT>(load_cg(h + bin), lo, hi, shift, bin);
+          below_l[w] = below_l[w + 1] + a[w].l;
         }
-        double C = above_g.count, u = above_g.u, top = above_lo;  // the atoms above bin q
-        int hit = -1;
-        bool gap_hit = false;
-        double hit_lo = 0.0, hit_hi = 0.0;  // the gap above the hit bin
-#pragma unroll
-        for (int q = kBinsPer - 1; q >= 0; --q) {
-          if (a[q].count == 0.0) continue;
-          const bool gap = f.psi(C, u, a[q].l + below_l[q], a[q].hi) >= k;
-          const bool inside = a[q].lo < a[q].hi && f.psi(C + a[q].count, u + a[q].u, below_l[q], a[q].lo) > k;
-          if (hit < 0 && (gap || inside)) {
-            hit = q;
-            gap_hit = gap;
-            hit_lo = a[q].hi;
-            hit_hi = fmin(top, a_hi);
-          }
-          C += a[q].count;
-          u += a[q].u;
-          top = fmin(top, a[q].lo);
-        }
-        sm.gap_lo = below_g.top >= 0 ? edge_hi(below_g.top) : below.ref;
-        sm.gap_hi = group.lo;
-        if (hit >= 0 && gap_hit) {
-          sm.gap_lo = hit_lo;
-          sm.gap_hi = hit_hi;
-        } else if (hit >= 0) {
-          sm.inside = base + hit;
+        const GapHit<FlatTail> hit =
+            walk_gaps(f, [&](int64_t w) { return a[w]; }, [&](int64_t w) { return below_l[w]; }, kBinsPer,
+                      FlatTail{above_g.count, above_g.u, fmin(above_lo, a_hi)},
+                      below_g.top >= 0 ? edge_hi(below_g.top) : below.ref, k);
+        if (hit.inside >= 0) {
+          sm.inside = base + kBinsPer - 1 - static_cast<int>(hit.inside);
+        } else {
+          sm.gap_lo = hit.lo;
+          sm.gap_hi = hit.above.ref;
         }
       }
       __syncthreads();
@@ -262,43 +243,23 @@ __device__ __noinline__ void scan_row(ScanStorage<kThreads>& sm, int64_t r, RowS
       }
       __syncthreads();
       if (j == sm.owner) {
-        // The walk of scan_atoms over the group's bins, descending: the first bin whose upper
-        // edge has Psi >= k has the root in the gap above it; a bin with Psi < k at its upper
-        // and > k at its lower edge holds it. Neither (Psi = k at the group's lower edge, to
-        // rounding): the gap below the group.
-        double suf_hi[kBinsPer], suf_L[kBinsPer];  // the atoms below each bin, lower tail included
-        Atom run = below_g;
-        for (int q = 0; q < kBinsPer; ++q) {
-          suf_hi[q] = run.count > 0.0 ? run.hi : -INFINITY;
-          suf_L[q] = run.count > 0.0 ? run.L : 0.0;
-          run = merge(run, bin_atom<KT>(load_cg(h + base + q), lo, hi, shift, base + q, flat_bins, f));
+        // atom_scan.h's find_gap over the group's bins, highest first, between the atoms above
+        // and below the group.
+        const auto bin_at = [&](int64_t w) {
+          const int bin = base + kBinsPer - 1 - static_cast<int>(w);
+          return bin_atom<KT>(load_cg(h + bin), lo, hi, shift, bin, flat_bins, f);
+        };
+        const bool upper = above_g.count > 0.0, lower = below_g.count > 0.0;
+        double suffix_B[kBinsPer + 1];
+        const GapHit<Tail> hit =
+            find_gap(bin_at, kBinsPer, Tail{above_g.count, upper ? above_g.U : 0.0, upper ? above_g.lo : above.ref},
+                     Tail{0.0, lower ? below_g.L : 0.0, lower ? below_g.hi : below.ref}, k, t, suffix_B);
+        if (hit.inside >= 0) {
+          sm.inside = base + kBinsPer - 1 - static_cast<int>(hit.inside);
+        } else {
+          sm.gap_lo = hit.lo;
+          sm.gap_hi = hit.above.ref;
         }
-        double gap_lo = below_g.count > 0.0 ? below_g.hi : below.ref, gap_hi = group.lo;
-        run = above_g;
-        for (int q = kBinsPer - 1; q >= 0; --q) {
-          const int bin = base + q;
-          const Atom a = bin_atom<KT>(load_cg(h + bin), lo, hi, shift, bin, flat_bins, f);
-          const Atom p = run;
-          run = merge(run, a);
-          if (a.count == 0.0) continue;
-          const double C = p.count, A = p.count > 0.0 ? p.U : 0.0, top = p.count > 0.0 ? p.lo : INFINITY;
-          const double sL = suf_L[q], sH = suf_hi[q];
-          const double L_incl = a.L + (sL > 0.0 ? sL * exp((sH - a.hi) / t) : 0.0);
-          if (psi_at_lo(C, A, L_incl, top, a.hi, t) >= k) {
-            gap_lo = a.hi;
-            gap_hi = p.count > 0.0 ? p.lo : above.ref;
-            break;
-          }
-          if (a.lo < a.hi) {
-            const double U_incl = a.U + (A > 0.0 ? A * exp((a.lo - top) / t) : 0.0);
-            if (psi_at_hi(C + a.count, U_incl, sL, a.lo, sL > 0.0 ? sH : -INFINITY, t) > k) {
-              sm.inside = bin;
-              break;
-            }
-          }
-        }
-        sm.gap_lo = gap_lo;
-        sm.gap_hi = gap_hi;
       }
       __syncthreads();
     }

@@ -165,12 +165,25 @@ struct FlatAboveMerge {
     return FlatAbove{a.count + b.count, a.u + b.u, a.bottom < b.bottom ? a.bottom : b.bottom};
   }
 };
+// The sums above a gap in the flat frame: count, u, and the gap's upper end.
+struct FlatTail {
+  double count, u, ref;
+};
 struct FlatFrame {
   double a_lo, a_hi, inv_t;
   // Psi at g in [a_lo, a_hi]: C scores above g with sum u, the scores below with sum l.
   __device__ double psi(double C, double u, double l, double g) const {
     return C - 0.5 * u * exp((g - a_lo) * inv_t) + 0.5 * l * exp((a_hi - g) * inv_t);
   }
+  // The curve of walk_gaps (atom_scan.h): B is the l sum below the gap.
+  using Above = FlatTail;
+  __device__ void add(FlatTail& s, const FlatAtom& a) const {
+    s.count += a.count;
+    s.u += a.u;
+    s.ref = a.lo;
+  }
+  __device__ double psi_lo(const FlatTail& s, double B, double lo) const { return psi(s.count, s.u, B, lo); }
+  __device__ double psi_hi(const FlatTail& s, double B, double) const { return psi(s.count, s.u, B, s.ref); }
 };
 
 }  // namespace
