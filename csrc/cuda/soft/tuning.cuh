@@ -24,10 +24,11 @@ struct SoftTuningSm90 {
   // warp four ways, n <= 16 two ways (one key a lane).
   static constexpr int kMinLanesPerRow = 8;
   // CTAs an SM that the warp kernel's registers are sized for (__launch_bounds__), by keys a
-  // lane and key bytes: the most that ptxas fits without spills at kWarpRowsMaxWarps = 8
-  // (4: 64 registers, 3: 80, 2: 128).
+  // lane and key bytes, at kWarpRowsMaxWarps = 8 (4: 64 registers, 3: 80, 2: 128). The kernel
+  // is latency-bound, so 32-bit rows of up to 8 keys a lane take 64 registers: their spills
+  // (up to ~150 bytes) sit in the sort, which few router rows reach (the outer gap).
   static constexpr int warp_min_blocks(int items, int key_bytes) {
-    return items <= 2 ? 4 : items <= (key_bytes == 8 ? 8 : 16) ? 3 : 2;
+    return items <= 2 || (key_bytes == 4 && items <= 8) ? 4 : items <= (key_bytes == 8 ? 8 : 16) ? 3 : 2;
   }
   // CTAs an SM that propose_kernel's registers are capped for (80 registers, a few spilled;
   // uncapped it takes 181, one CTA an SM). Rows beyond one wave of propose blocks loop, each
