@@ -58,30 +58,36 @@ __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scala
       // Groups of kGroup scores (tiles of U vectors) for the usual row, whose float-pair sums
       // gain from longer groups; a vector at a time for a row of fp64 distances (row_group_sums).
       const RowF32 row(sign, br, inv_t);
-      if (row.pairs) {
-        stream_row_tiles<scalar_t, float, U>(x + r * n, gr, n, [&](const float(&xv)[U][V], const float(&gv)[U][V],
-                                                                   const int(&valid)[U], int64_t) {
-          float xs[kGroup], gs[kGroup];
-          bool ok[kGroup];  // a prefix: a tile's vectors run along the row
+      // log_mode as a constant of the group body (no per-element branch on it)
+      const auto stream = [&](auto lm) {
+        constexpr bool kLog = decltype(lm)::value;
+        if (row.pairs) {
+          stream_row_tiles<scalar_t, float, U>(x + r * n, gr, n, [&](const float(&xv)[U][V], const float(&gv)[U][V],
+                                                                     const int(&valid)[U], int64_t) {
+            float xs[kGroup], gs[kGroup];
+            bool ok[kGroup];  // a prefix: a tile's vectors run along the row
 #pragma unroll
-          for (int u = 0; u < U; ++u) {
+            for (int u = 0; u < U; ++u) {
 #pragma unroll
-            for (int q = 0; q < V; ++q) {
-              xs[u * V + q] = xv[u][q];
-              gs[u * V + q] = gv[u][q];
-              ok[u * V + q] = q < valid[u];
+              for (int q = 0; q < V; ++q) {
+                xs[u * V + q] = xv[u][q];
+                gs[u * V + q] = gv[u][q];
+                ok[u * V + q] = q < valid[u];
+              }
             }
-          }
-          acc.merge(row_group_sums<kGroup>(row, xs, gs, ok, log_mode), inv_t, ExpNegF32{});
-        });
-      } else {
-        stream_row<scalar_t, float>(x + r * n, gr, n, [&](const float(&xv)[V], const float(&gv)[V], int valid, int64_t) {
-          bool ok[V];
+            acc.merge(row_group_sums<kGroup>(row, xs, gs, ok, kLog), inv_t, ExpNegF32{});
+          });
+        } else {
+          stream_row<scalar_t, float>(x + r * n, gr, n, [&](const float(&xv)[V], const float(&gv)[V], int valid, int64_t) {
+            bool ok[V];
 #pragma unroll
-          for (int q = 0; q < V; ++q) ok[q] = q < valid;
-          acc.merge(row_group_sums<V>(row, xv, gv, ok, log_mode), inv_t, ExpNegF32{});
-        });
-      }
+            for (int q = 0; q < V; ++q) ok[q] = q < valid;
+            acc.merge(row_group_sums<V>(row, xv, gv, ok, kLog), inv_t, ExpNegF32{});
+          });
+        }
+      };
+      if (log_mode) stream(std::true_type{});
+      else stream(std::false_type{});
     }
     const VjpSums total = Reduce(tmp).Reduce(acc, VjpSumOp{inv_t});
     if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x] = total;
@@ -180,7 +186,7 @@ template <typename scalar_t>
 void launch_vjp(const BackwardIO& w, const scalar_t* grad, const double* grad_b, bool largest, bool log_mode) {
   const double sign = largest ? 1.0 : -1.0;
   const int64_t rows = w.x.size(0), n = w.x.size(1);
-  const VjpPlan plan = plan_vjp(rows, n, soft_launch_tuning(compute_capability()));
+  const VjpPlan plan = plan_vjp(rows, n, sm_count(), soft_launch_tuning(compute_capability()));
   if (plan.in_registers) return launch_vjp_rows<scalar_t>(plan, w, grad, grad_b, sign, log_mode);
   const dim3 grid = plan.grid;
   const bool finalize = plan.finalize;
