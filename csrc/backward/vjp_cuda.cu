@@ -35,7 +35,7 @@ struct VjpSumOp {
 
 // the threshold VJP has no upstream tensor (grad == nullptr)
 template <typename scalar_t>
-__global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ x,
+__global__ void __launch_bounds__(kThreads, 3) vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ x,
                                   const double* __restrict__ b, const double* __restrict__ t,
                                   VjpSums* __restrict__ partial, int64_t rows, int64_t n,
                                   double sign, bool log_mode) {
