@@ -24,14 +24,43 @@ namespace {
 // the thread's fp64 ones at once.
 constexpr int kGroup = 8;
 
-// VjpSums::merge as a CUB reduction operator.
-struct VjpSumOp {
-  double inv_t;
-  __device__ VjpSums operator()(VjpSums a, const VjpSums& b) const {
-    a.merge(b, inv_t);
-    return a;
+// The sums of a block's threads as one VjpSums (valid in thread 0; the caller syncs before
+// the next call). The block's nearest element is reduced first (nearer() is a total order),
+// each thread's sums are rebased onto it (one exp a thread), and what is left is plain fp64
+// sums: a tree of merges would take two exps a step.
+struct Sums6 {
+  double tw, G, twd, Gd, Ga, Gad;
+};
+struct NearerOp {
+  __device__ Nearest operator()(const Nearest& x, const Nearest& y) const { return nearer(x, y); }
+};
+struct Sums6Op {
+  __device__ Sums6 operator()(const Sums6& x, const Sums6& y) const {
+    return Sums6{x.tw + y.tw, x.G + y.G, x.twd + y.twd, x.Gd + y.Gd, x.Ga + y.Ga, x.Gad + y.Gad};
   }
 };
+__device__ VjpSums block_sums(VjpSums acc, double inv_t) {
+  using NearReduce = cub::BlockReduce<Nearest, kThreads>;
+  using SumReduce = cub::BlockReduce<Sums6, kThreads>;
+  __shared__ union {
+    typename NearReduce::TempStorage near;
+    typename SumReduce::TempStorage sum;
+  } tmp;
+  __shared__ Nearest ref;
+  const Nearest n = NearReduce(tmp.near).Reduce(acc.m < INFINITY ? Nearest{acc.m, acc.dref} : Nearest{}, NearerOp{});
+  if (threadIdx.x == 0) ref = n;
+  __syncthreads();
+  const Nearest r = ref;
+  if (acc.m < INFINITY) acc.rebase(r.a, r.d, exp(-(acc.m - r.a) * inv_t));
+  const Sums6 t = SumReduce(tmp.sum).Reduce(Sums6{acc.tw, acc.G, acc.twd, acc.Gd, acc.Ga, acc.Gad}, Sums6Op{});
+  VjpSums v;
+  if (r.a < INFINITY) {
+    v.m = r.a;
+    v.dref = r.d;
+    v.tw = t.tw; v.G = t.G; v.twd = t.twd; v.Gd = t.Gd; v.Ga = t.Ga; v.Gad = t.Gad;
+  }
+  return v;
+}
 
 // the threshold VJP has no upstream tensor (grad == nullptr)
 template <typename scalar_t>
@@ -42,8 +71,6 @@ __global__ void __launch_bounds__(kThreads, 3) vjp_reduce_kernel(const scalar_t*
   begin_dependent_grid();
   constexpr int V = vec_width<scalar_t>();
   constexpr int U = kGroup / V;  // vectors per group (stream tile)
-  using Reduce = cub::BlockReduce<VjpSums, kThreads>;
-  __shared__ typename Reduce::TempStorage tmp;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const double br = sign * b[r], inv_t = inv_temperature(t[r]);
     VjpSums acc;
@@ -89,7 +116,7 @@ __global__ void __launch_bounds__(kThreads, 3) vjp_reduce_kernel(const scalar_t*
       if (log_mode) stream(std::true_type{});
       else stream(std::false_type{});
     }
-    const VjpSums total = Reduce(tmp).Reduce(acc, VjpSumOp{inv_t});
+    const VjpSums total = block_sums(acc, inv_t);
     if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x] = total;
     __syncthreads();
   }
@@ -100,13 +127,11 @@ __global__ void __launch_bounds__(kThreads, 3) vjp_reduce_kernel(const scalar_t*
 // (mask false).
 __device__ RowVjp fold_row(const VjpSums* __restrict__ partial, int chunks, const double* __restrict__ grad_b,
                            int64_t r, double br, double tr, double sign, bool mask, bool log_mode) {
-  using Reduce = cub::BlockReduce<VjpSums, kThreads>;
-  __shared__ typename Reduce::TempStorage tmp;
   __shared__ RowVjp row;
   const double inv_t = inv_temperature(tr);
   VjpSums acc;
   for (int c = threadIdx.x; c < chunks; c += kThreads) acc.merge(partial[c], inv_t);
-  const VjpSums s = Reduce(tmp).Reduce(acc, VjpSumOp{inv_t});
+  const VjpSums s = block_sums(acc, inv_t);
   if (threadIdx.x == 0) row = mask ? mask_vjp(s, br, tr, log_mode) : threshold_vjp(s, grad_b[r], br, tr, sign);
   __syncthreads();
   const RowVjp v = row;
