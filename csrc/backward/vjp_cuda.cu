@@ -39,7 +39,7 @@ struct Sums6Op {
     return Sums6{x.tw + y.tw, x.G + y.G, x.twd + y.twd, x.Gd + y.Gd, x.Ga + y.Ga, x.Gad + y.Gad};
   }
 };
-__device__ VjpSums block_sums(VjpSums acc, double inv_t) {
+__device__ __noinline__ VjpSums block_sums(VjpSums acc, double inv_t) {
   using NearReduce = cub::BlockReduce<Nearest, kThreads>;
   using SumReduce = cub::BlockReduce<Sums6, kThreads>;
   __shared__ union {
