@@ -19,14 +19,14 @@ OPS = {
 }
 
 
-def _problem(n, dtype, seed):
+def _problem(n, dtype, seed, rows=None):
     g = torch.Generator().manual_seed(seed)
-    rows = 3 if n <= 40000 else 1
+    rows = rows if rows is not None else 3 if n <= 40000 else 1
     x = (torch.randn(rows, n, generator=g, dtype=F64) * 2).to(dtype)
     if n > 8:
         x[0, :3] = x[0, 3]  # ties
     k = (torch.rand(rows, generator=g, dtype=F64) * (n - 0.5) + 0.25).clamp(max=n)
-    t = torch.tensor([0.3, 1.0, 0.05][:rows], dtype=F64)
+    t = torch.tensor([0.3, 1.0, 0.05], dtype=F64).repeat((rows + 2) // 3)[:rows]
     return x, k, t, g
 
 
@@ -42,7 +42,19 @@ def _grads(op, x, k, t, largest, up):
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("largest", [True, False])
 def test_cuda_backward_matches_cpu(n, dtype, op, largest):
-    x, k, t, g = _problem(n, dtype, seed=n)
+    _check_against_cpu(*_problem(n, dtype, seed=n), dtype, op, largest)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", list(OPS))
+def test_cuda_backward_many_rows_streaming(dtype, op):
+    """Many long rows: the plan streams each row in few blocks, several tiles a thread (the
+    last one partial), so a thread's groups fold into one accumulator before the block's."""
+    _check_against_cpu(*_problem(9001, dtype, seed=9001, rows=512), dtype, op, True)
+
+
+def _check_against_cpu(x, k, t, g, dtype, op, largest):
     shape = (x.shape[0],) if op == "threshold" else x.shape
     up = torch.randn(shape, generator=g, dtype=F64).to(dtype).double()  # the same on both devices
     gx, gk, gt = _grads(op, x.cuda(), k.cuda(), t.cuda(), largest, up)

@@ -24,26 +24,53 @@ namespace {
 // the thread's fp64 ones at once.
 constexpr int kGroup = 8;
 
-// VjpSums::merge as a CUB reduction operator.
-struct VjpSumOp {
-  double inv_t;
-  __device__ VjpSums operator()(VjpSums a, const VjpSums& b) const {
-    a.merge(b, inv_t);
-    return a;
+// The sums of a block's threads as one VjpSums (valid in thread 0; the caller syncs before
+// the next call). The block's nearest element is reduced first (nearer() is a total order),
+// each thread's sums are rebased onto it (one exp a thread), and what is left is plain fp64
+// sums: a tree of merges would take two exps a step.
+struct Sums6 {
+  double tw, G, twd, Gd, Ga, Gad;
+};
+struct NearerOp {
+  __device__ Nearest operator()(const Nearest& x, const Nearest& y) const { return nearer(x, y); }
+};
+struct Sums6Op {
+  __device__ Sums6 operator()(const Sums6& x, const Sums6& y) const {
+    return Sums6{x.tw + y.tw, x.G + y.G, x.twd + y.twd, x.Gd + y.Gd, x.Ga + y.Ga, x.Gad + y.Gad};
   }
 };
+__device__ __noinline__ VjpSums block_sums(VjpSums acc, double inv_t) {
+  using NearReduce = cub::BlockReduce<Nearest, kThreads>;
+  using SumReduce = cub::BlockReduce<Sums6, kThreads>;
+  __shared__ union {
+    typename NearReduce::TempStorage near;
+    typename SumReduce::TempStorage sum;
+  } tmp;
+  __shared__ Nearest ref;
+  const Nearest n = NearReduce(tmp.near).Reduce(acc.m < INFINITY ? Nearest{acc.m, acc.dref} : Nearest{}, NearerOp{});
+  if (threadIdx.x == 0) ref = n;
+  __syncthreads();
+  const Nearest r = ref;
+  if (acc.m < INFINITY) acc.rebase(r.a, r.d, exp(-(acc.m - r.a) * inv_t));
+  const Sums6 t = SumReduce(tmp.sum).Reduce(Sums6{acc.tw, acc.G, acc.twd, acc.Gd, acc.Ga, acc.Gad}, Sums6Op{});
+  VjpSums v;
+  if (r.a < INFINITY) {
+    v.m = r.a;
+    v.dref = r.d;
+    v.tw = t.tw; v.G = t.G; v.twd = t.twd; v.Gd = t.Gd; v.Ga = t.Ga; v.Gad = t.Gad;
+  }
+  return v;
+}
 
 // the threshold VJP has no upstream tensor (grad == nullptr)
 template <typename scalar_t>
-__global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ x,
+__global__ void __launch_bounds__(kThreads, 3) vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ x,
                                   const double* __restrict__ b, const double* __restrict__ t,
                                   VjpSums* __restrict__ partial, int64_t rows, int64_t n,
                                   double sign, bool log_mode) {
   begin_dependent_grid();
   constexpr int V = vec_width<scalar_t>();
   constexpr int U = kGroup / V;  // vectors per group (stream tile)
-  using Reduce = cub::BlockReduce<VjpSums, kThreads>;
-  __shared__ typename Reduce::TempStorage tmp;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const double br = sign * b[r], inv_t = inv_temperature(t[r]);
     VjpSums acc;
@@ -58,32 +85,38 @@ __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scala
       // Groups of kGroup scores (tiles of U vectors) for the usual row, whose float-pair sums
       // gain from longer groups; a vector at a time for a row of fp64 distances (row_group_sums).
       const RowF32 row(sign, br, inv_t);
-      if (row.pairs) {
-        stream_row_tiles<scalar_t, float, U>(x + r * n, gr, n, [&](const float(&xv)[U][V], const float(&gv)[U][V],
-                                                                   const int(&valid)[U], int64_t) {
-          float xs[kGroup], gs[kGroup];
-          bool ok[kGroup];  // a prefix: a tile's vectors run along the row
+      // log_mode as a constant of the group body (no per-element branch on it)
+      const auto stream = [&](auto lm) {
+        constexpr bool kLog = decltype(lm)::value;
+        if (row.pairs) {
+          stream_row_tiles<scalar_t, float, U>(x + r * n, gr, n, [&](const float(&xv)[U][V], const float(&gv)[U][V],
+                                                                     const int(&valid)[U], int64_t) {
+            float xs[kGroup], gs[kGroup];
+            bool ok[kGroup];  // a prefix: a tile's vectors run along the row
 #pragma unroll
-          for (int u = 0; u < U; ++u) {
+            for (int u = 0; u < U; ++u) {
 #pragma unroll
-            for (int q = 0; q < V; ++q) {
-              xs[u * V + q] = xv[u][q];
-              gs[u * V + q] = gv[u][q];
-              ok[u * V + q] = q < valid[u];
+              for (int q = 0; q < V; ++q) {
+                xs[u * V + q] = xv[u][q];
+                gs[u * V + q] = gv[u][q];
+                ok[u * V + q] = q < valid[u];
+              }
             }
-          }
-          acc.merge(row_group_sums<kGroup>(row, xs, gs, ok, log_mode), inv_t, ExpNegF32{});
-        });
-      } else {
-        stream_row<scalar_t, float>(x + r * n, gr, n, [&](const float(&xv)[V], const float(&gv)[V], int valid, int64_t) {
-          bool ok[V];
+            acc.merge(row_group_sums<kGroup>(row, xs, gs, ok, kLog), inv_t, ExpNegF32{});
+          });
+        } else {
+          stream_row<scalar_t, float>(x + r * n, gr, n, [&](const float(&xv)[V], const float(&gv)[V], int valid, int64_t) {
+            bool ok[V];
 #pragma unroll
-          for (int q = 0; q < V; ++q) ok[q] = q < valid;
-          acc.merge(row_group_sums<V>(row, xv, gv, ok, log_mode), inv_t, ExpNegF32{});
-        });
-      }
+            for (int q = 0; q < V; ++q) ok[q] = q < valid;
+            acc.merge(row_group_sums<V>(row, xv, gv, ok, kLog), inv_t, ExpNegF32{});
+          });
+        }
+      };
+      if (log_mode) stream(std::true_type{});
+      else stream(std::false_type{});
     }
-    const VjpSums total = Reduce(tmp).Reduce(acc, VjpSumOp{inv_t});
+    const VjpSums total = block_sums(acc, inv_t);
     if (threadIdx.x == 0) partial[r * gridDim.x + blockIdx.x] = total;
     __syncthreads();
   }
@@ -94,13 +127,11 @@ __global__ void vjp_reduce_kernel(const scalar_t* __restrict__ grad, const scala
 // (mask false).
 __device__ RowVjp fold_row(const VjpSums* __restrict__ partial, int chunks, const double* __restrict__ grad_b,
                            int64_t r, double br, double tr, double sign, bool mask, bool log_mode) {
-  using Reduce = cub::BlockReduce<VjpSums, kThreads>;
-  __shared__ typename Reduce::TempStorage tmp;
   __shared__ RowVjp row;
   const double inv_t = inv_temperature(tr);
   VjpSums acc;
   for (int c = threadIdx.x; c < chunks; c += kThreads) acc.merge(partial[c], inv_t);
-  const VjpSums s = Reduce(tmp).Reduce(acc, VjpSumOp{inv_t});
+  const VjpSums s = block_sums(acc, inv_t);
   if (threadIdx.x == 0) row = mask ? mask_vjp(s, br, tr, log_mode) : threshold_vjp(s, grad_b[r], br, tr, sign);
   __syncthreads();
   const RowVjp v = row;
@@ -180,7 +211,7 @@ template <typename scalar_t>
 void launch_vjp(const BackwardIO& w, const scalar_t* grad, const double* grad_b, bool largest, bool log_mode) {
   const double sign = largest ? 1.0 : -1.0;
   const int64_t rows = w.x.size(0), n = w.x.size(1);
-  const VjpPlan plan = plan_vjp(rows, n, soft_launch_tuning(compute_capability()));
+  const VjpPlan plan = plan_vjp(rows, n, sm_count(), soft_launch_tuning(compute_capability()));
   if (plan.in_registers) return launch_vjp_rows<scalar_t>(plan, w, grad, grad_b, sign, log_mode);
   const dim3 grid = plan.grid;
   const bool finalize = plan.finalize;

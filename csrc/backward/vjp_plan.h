@@ -24,7 +24,7 @@ struct VjpPlan {
   unsigned row_blocks; //   the finalize grid
 };
 
-inline VjpPlan plan_vjp(int64_t rows, int64_t n, const SoftLaunchTuning& tu) {
+inline VjpPlan plan_vjp(int64_t rows, int64_t n, int sm_count, const SoftLaunchTuning& tu) {
   VjpPlan p{};
   // Rows in registers: a warp a row, else the CTA a row, with the fewest items a thread that
   // hold the row (padding costs registers and idle lanes).
@@ -44,7 +44,14 @@ inline VjpPlan plan_vjp(int64_t rows, int64_t n, const SoftLaunchTuning& tu) {
     p.blocks = static_cast<unsigned>(std::min<int64_t>((rows + per_block - 1) / per_block, 1 << 20));
     return p;
   }
+  // Streaming: the fewest blocks a row (most scores a thread, up to the cap) that still give
+  // the grid vjp_blocks_per_sm blocks an SM; short or few rows keep vjp_scores_per_thread.
+  const int64_t fill = std::max<int64_t>(int64_t(sm_count) * tu.vjp_blocks_per_sm, 1);
+  const int64_t row_blocks = (fill + rows - 1) / std::max<int64_t>(rows, 1);
+  const int64_t few = row_grid(rows, n, tu.vjp_max_scores_per_thread, tu.vjp_max_blocks).x;
+  const int64_t many = row_grid(rows, n, tu.vjp_scores_per_thread, tu.vjp_max_blocks).x;
   p.grid = row_grid(rows, n, tu.vjp_scores_per_thread, tu.vjp_max_blocks);
+  p.grid.x = static_cast<unsigned>(std::min(many, std::max(few, row_blocks)));
   p.finalize = p.grid.x > tu.vjp_fold_in_apply_max;
   p.row_blocks = static_cast<unsigned>(rows < 65535 ? rows : 65535);
   return p;

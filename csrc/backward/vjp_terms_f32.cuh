@@ -128,39 +128,58 @@ __device__ __forceinline__ F2 split(double v) {
   return F2{hi, static_cast<float>(v - static_cast<double>(hi))};
 }
 
-// The nearest of N elements by float-pair distances (valid[q]: element q exists).
+// The float-pair distances of N elements (the first pass computes them, the second reuses them).
 template <int N>
-__device__ __forceinline__ Nearest nearest_pairs(const RowF32& row, const float (&xv)[N], const bool (&valid)[N]) {
+__device__ __forceinline__ void pair_dists(const RowF32& row, const float (&xv)[N], F2 (&d)[N]) {
+#pragma unroll
+  for (int q = 0; q < N; ++q) d[q] = row.dist(xv[q]);
+}
+
+// The nearest of N elements by their float-pair distances (valid[q]: element q exists).
+template <int N>
+__device__ __forceinline__ Nearest nearest_of_dists(const F2 (&d)[N], const bool (&valid)[N]) {
   float kmin = INFINITY;
   F2 ref{0.0f, 0.0f};
 #pragma unroll
   for (int q = 0; q < N; ++q) {
-    const F2 d = row.dist(xv[q]);
-    const float key = pair_key(d, valid[q]);
+    const float key = pair_key(d[q], valid[q]);
     if (key < kmin) {
       kmin = key;
-      ref = d;
+      ref = d[q];
     }
   }
   return kmin < INFINITY ? Nearest{fabs(exact(ref)), exact(ref)} : Nearest{};
 }
-
-// The sums of N elements about the reference `ref` (an element nearest b, as a pair).
 template <int N>
-__device__ __forceinline__ SumsF32 sums_about_pairs(const RowF32& row, const F2& ref, const float (&xv)[N],
+__device__ __forceinline__ Nearest nearest_pairs(const RowF32& row, const float (&xv)[N], const bool (&valid)[N]) {
+  F2 d[N];
+  pair_dists<N>(row, xv, d);
+  return nearest_of_dists<N>(d, valid);
+}
+
+// The sums of N elements of float-pair distances d about the reference `ref` (an element
+// nearest b, as a pair).
+template <int N>
+__device__ __forceinline__ SumsF32 sums_about_dists(const RowF32& row, const F2& ref, const F2 (&d)[N],
                                                     const float (&gv)[N], const bool (&valid)[N], bool log_mode) {
   const F2 aref = abs2(ref);
   SumsF32 s;
 #pragma unroll
   for (int q = 0; q < N; ++q) {
-    const F2 d = row.dist(xv[q]);
-    const float key = pair_key(d, valid[q]);
+    const float key = pair_key(d[q], valid[q]);
     if (!(key < INFINITY)) continue;
-    const float wh = exp2_f(fmaf(-sub2(abs2(d), aref), row.l2, -1.0f));  // e^{-(|d| - m)/t} / 2
-    const bool above = approx(d) > 0.0f;
-    s.add(wh, sub2(d, ref), gv[q], above, log_mode, log_mode && above ? 1.0f - 0.5f * exp2_f(-key * row.l2) : 1.0f);
+    const float wh = exp2_f(fmaf(-sub2(abs2(d[q]), aref), row.l2, -1.0f));  // e^{-(|d| - m)/t} / 2
+    const bool above = approx(d[q]) > 0.0f;
+    s.add(wh, sub2(d[q], ref), gv[q], above, log_mode, log_mode && above ? 1.0f - 0.5f * exp2_f(-key * row.l2) : 1.0f);
   }
   return s;
+}
+template <int N>
+__device__ __forceinline__ SumsF32 sums_about_pairs(const RowF32& row, const F2& ref, const float (&xv)[N],
+                                                    const float (&gv)[N], const bool (&valid)[N], bool log_mode) {
+  F2 d[N];
+  pair_dists<N>(row, xv, d);
+  return sums_about_dists<N>(row, ref, d, gv, valid, log_mode);
 }
 
 // The same two passes with fp64 distances (rows outside the pairs' range); d is recomputed
@@ -197,8 +216,10 @@ template <int G>
 __device__ __forceinline__ VjpSums row_group_sums(const RowF32& row, const float (&xv)[G], const float (&gv)[G],
                                                   const bool (&ok)[G], bool log_mode) {
   if (row.pairs) {
-    const Nearest ref = nearest_pairs<G>(row, xv, ok);
-    return sums_about_pairs<G>(row, split(ref.d), xv, gv, ok, log_mode).about(ref.a, ref.d);
+    F2 d[G];
+    pair_dists<G>(row, xv, d);
+    const Nearest ref = nearest_of_dists<G>(d, ok);
+    return sums_about_dists<G>(row, split(ref.d), d, gv, ok, log_mode).about(ref.a, ref.d);
   }
   const Nearest ref = nearest_f64d<G>(row, xv, ok);
   return sums_about_f64d<G>(row, ref, xv, gv, ok, log_mode).about(ref.a, ref.d);

@@ -53,9 +53,13 @@ struct SoftLaunchTuning {
                                   // launch before (longer rows: the fused level's tile loop spills)
   // The mask pass (mask_cuda.cu): blocks a row, scores a thread before a row takes more blocks.
   int64_t mask_scores_per_thread, mask_max_blocks;
-  // The streaming VJP (vjp_cuda.cu): blocks a row as for the mask; rows of at most
-  // vjp_fold_in_apply_max blocks are folded by every apply block, longer ones by a finalize launch.
-  int64_t vjp_scores_per_thread, vjp_max_blocks, vjp_fold_in_apply_max;
+  // The streaming VJP (vjp_cuda.cu): vjp_scores_per_thread scores a thread, raised up to
+  // vjp_max_scores_per_thread while the grid keeps vjp_blocks_per_sm blocks an SM (a block's
+  // row setup and its reduction of fp64 sums cost as much as hundreds of scores), at most
+  // vjp_max_blocks a row; rows of at most vjp_fold_in_apply_max blocks are folded by every
+  // apply block, longer ones by a finalize launch.
+  int64_t vjp_scores_per_thread, vjp_max_scores_per_thread, vjp_blocks_per_sm, vjp_max_blocks,
+      vjp_fold_in_apply_max;
   // The register VJP (vjp_rows.cuh): a warp a row up to vjp_warp_row_max scores, a CTA a row up
   // to vjp_cta_row_max; longer rows stream.
   int64_t vjp_warp_row_max, vjp_cta_row_max;
@@ -76,6 +80,8 @@ inline constexpr SoftLaunchTuning kSoftLaunchSm90 = {
     /*mask_scores_per_thread=*/16,
     /*mask_max_blocks=*/4096,
     /*vjp_scores_per_thread=*/8,
+    /*vjp_max_scores_per_thread=*/64,
+    /*vjp_blocks_per_sm=*/12,
     /*vjp_max_blocks=*/2048,
     /*vjp_fold_in_apply_max=*/16,
     /*vjp_warp_row_max=*/1024,
