@@ -32,12 +32,6 @@ __device__ __forceinline__ float exp2_f(float x) {
 }
 constexpr double kLog2e = 1.4426950408889634;
 
-// e^{-x} for folding a group's sums into a thread's: a ratio of sums does not see the
-// rounding of a factor they share.
-struct ExpNegF32 {
-  __device__ double operator()(double x) const { return static_cast<double>(exp2_neg(x * kLog2e)); }
-};
-
 // hi + lo, unevaluated
 struct F2 {
   float hi, lo;
