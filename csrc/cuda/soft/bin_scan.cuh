@@ -81,6 +81,17 @@ struct ScanStorage {
   LevelPartial total;
   double gap_lo, gap_hi, psi_top, psi_bottom;
   int inside, owner;
+  // The owner's walk over its bins base .. base + bins - 1 (highest first): the bin that holds
+  // the root, or the gap.
+  template <typename Hit>
+  __device__ void record(const Hit& hit, int base, int bins) {
+    if (hit.inside >= 0) {
+      inside = base + bins - 1 - static_cast<int>(hit.inside);
+    } else {
+      gap_lo = hit.lo;
+      gap_hi = hit.above.ref;
+    }
+  }
 };
 
 // The scan of row r (still refining) over its bins h and its level's `chunks` partials;
@@ -192,12 +203,7 @@ __device__ __noinline__ void scan_row(ScanStorage<kThreads>& sm, int64_t r, RowS
             walk_gaps(f, [&](int64_t w) { return a[w]; }, [&](int64_t w) { return below_l[w]; }, kBinsPer,
                       FlatTail{above_g.count, above_g.u, fmin(above_lo, a_hi)},
                       below_g.top >= 0 ? edge_hi(below_g.top) : below.ref, k);
-        if (hit.inside >= 0) {
-          sm.inside = base + kBinsPer - 1 - static_cast<int>(hit.inside);
-        } else {
-          sm.gap_lo = hit.lo;
-          sm.gap_hi = hit.above.ref;
-        }
+        sm.record(hit, base, kBinsPer);
       }
       __syncthreads();
     } else {
@@ -254,12 +260,7 @@ __device__ __noinline__ void scan_row(ScanStorage<kThreads>& sm, int64_t r, RowS
         const GapHit<Tail> hit =
             find_gap(bin_at, kBinsPer, Tail{above_g.count, upper ? above_g.U : 0.0, upper ? above_g.lo : above.ref},
                      Tail{0.0, lower ? below_g.L : 0.0, lower ? below_g.hi : below.ref}, k, t, suffix_B);
-        if (hit.inside >= 0) {
-          sm.inside = base + kBinsPer - 1 - static_cast<int>(hit.inside);
-        } else {
-          sm.gap_lo = hit.lo;
-          sm.gap_hi = hit.above.ref;
-        }
+        sm.record(hit, base, kBinsPer);
       }
       __syncthreads();
     }
