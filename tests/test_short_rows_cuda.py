@@ -10,50 +10,18 @@ import pytest
 import torch
 
 import fastlapsum as fl
-from fastlapsum import reference
 
-from conftest import (BUDGET_TOL, DTYPES, P_TOL, assert_b_matches_cpu, budget_error, gap_precision, mask_floor,
-                      outer_gap_test, requires_cuda)
+from conftest import (BUDGET_TOL, DTYPES, F64, KINDS, P_TOL, assert_b_matches_cpu, budget_error,
+                      check_against_oracle, gap_precision, outer_gap_test, requires_cuda, row_of_kind,
+                      same_or_close)
 
-F64 = torch.float64
-EPS64 = torch.finfo(F64).eps
 NS = [1, 2, 3, 8, 9, 16, 17, 31, 32, 33, 64, 100, 255, 256, 257, 512, 513, 1000, 1024, 1025]
 CPU_NS = [1, 9, 33, 257, 1025]  # the sweep on the CPU kernels (the oracle costs most of it)
 TEMPS = [1e-6, 1e-2, 1.0, 1e3]
-KINDS = 9
-NAN_KIND = 8
 
 
 def budgets(n):
     return sorted({min(k, float(n)) for k in (0.0, 0.3, 1.0, n / 2, n - 1e-3, float(n))})
-
-
-def row_of_kind(kind, n, g):
-    """One float64 row of n scores of an adversarial kind."""
-    i = torch.arange(n, dtype=F64)
-    if kind == 0:
-        return torch.randn(n, generator=g, dtype=F64)
-    if kind == 1:  # ties everywhere
-        return torch.randint(0, 3, (n,), generator=g).double()
-    if kind == 2:  # constant
-        return torch.full((n,), 0.25, dtype=F64)
-    if kind == 3:  # distinct, evenly spaced, ascending
-        return i
-    if kind == 4:  # |b| >> t
-        return 1e4 + 1e-2 * torch.randn(n, generator=g, dtype=F64)
-    if kind == 5:  # all within t of each other
-        return 1e-3 * torch.randn(n, generator=g, dtype=F64)
-    if kind == 6:  # +inf and -inf among finite scores
-        r = torch.randn(n, generator=g, dtype=F64)
-        r[i % 5 == 1] = math.inf
-        r[i % 7 == 3] = -math.inf
-        return r
-    if kind == 7:  # -inf but for a few
-        r = torch.randn(n, generator=g, dtype=F64)
-        return torch.where(torch.rand(n, generator=g, dtype=F64) < 0.2, r, torch.tensor(-math.inf, dtype=F64))
-    r = torch.randn(n, generator=g, dtype=F64)  # NAN_KIND
-    r[n // 3] = math.nan
-    return r
 
 
 def batch(n, seed=0):
@@ -73,72 +41,6 @@ def batch(n, seed=0):
     ts.append(0.5)
     kinds.append(0)
     return torch.stack(rows), torch.tensor(ks, dtype=F64), torch.tensor(ts, dtype=F64), torch.tensor(kinds)
-
-
-def oracle(x, k, t, largest):
-    """float64 oracle b, mask, log mask and weight sum sum_i t w_i per row, for x as given."""
-    s = x.double().cpu() * (1.0 if largest else -1.0)
-    b, edge = reference.lapsum_threshold_reference(s, k, t)
-    p = reference.lapsum_mask_reference(s, b, t, edge)
-    lp = reference.lapsum_mask_reference(s, b, t, edge, log=True)
-    u = (s - b[:, None]) / t[:, None]
-    fin = torch.isfinite(s) & torch.isfinite(b)[:, None]
-    tw = torch.where(fin, 0.5 * torch.exp(-u.abs()), torch.zeros_like(u)).sum(1)
-    return b, p, lp, tw
-
-
-def conditioning(b, t, k, tw):
-    """What the threshold's own fp64 rounding and the fp64 budget bound (DESIGN §1.2) move
-    (x - b)/t by: a few ulps of b over t, and 1e-12 max(k, 1) / W. Capped well below a 0/1
-    flip, so that nearly hard masks are still compared."""
-    bb = abs(b) if math.isfinite(b) else 0.0
-    return min(8 * EPS64 * (1 + bb) / t + 1e-12 * max(k, 1.0) / max(tw, 1e-300), 1e-3)
-
-
-def check_against_oracle(x, k, t, kinds, largest):
-    """Failure messages of soft_topk / log_soft_topk / lapsum_threshold on x against the oracle."""
-    dtype = x.dtype
-    b_ref, p_ref, lp_ref, tw = oracle(x, k, t, largest)
-    kd, td = k.to(x.device), t.to(x.device)
-    p = fl.soft_topk(x, kd, td, largest=largest).cpu()
-    lp = fl.log_soft_topk(x, kd, td, largest=largest).cpu()
-    b = fl.lapsum_threshold(x, kd, td, largest=largest).cpu()
-    assert p.dtype == lp.dtype == dtype and b.dtype == F64
-    fails = []
-    for r in range(x.shape[0]):
-        where = f"row {r} kind {int(kinds[r])} k={k[r].item()} t={t[r].item()}"
-        if kinds[r] == NAN_KIND:
-            if not (p[r].isnan().all() and lp[r].isnan().all() and b[r].isnan()):
-                fails.append(f"{where}: a NaN row must give NaN")
-            continue
-        kr, tr, br = k[r].item(), t[r].item(), b_ref[r].item()
-        # an infinite threshold exactly; a finite one is checked through the budget and mask
-        # (where no score lies near it, the budget pins it only loosely)
-        b_user = br if largest else -br  # the op's b is in x's units
-        if math.isfinite(b[r].item()) != math.isfinite(br) or (not math.isfinite(br) and b[r].item() != b_user):
-            fails.append(f"{where}: b {b[r].item()} vs oracle {b_user}")
-        cond = conditioning(br, tr, kr, tw[r].item())
-        # budget: DESIGN §1.2's bound, plus 4 W ulp(b) / max(k, 1) where b cannot be held closer
-        bound = BUDGET_TOL[dtype] + (4 * tw[r].item() / tr * math.ulp(br) / max(kr, 1.0) if math.isfinite(br) else 0)
-        be = budget_error(p[r:r + 1], k[r:r + 1]).item()
-        if not be <= bound:
-            fails.append(f"{where}: budget error {be:.3e} > {bound:.3e}")
-        tol = 4 * mask_floor(p_ref[r], dtype) + 1e-12 + 0.5 * cond
-        err = (p[r].double() - p_ref[r]).abs().max().item()
-        if not err <= tol:
-            fails.append(f"{where}: mask error {err:.3e} > {tol:.3e}")
-        # log mask: the same rule in the log domain (rounding log p to dtype), exact infinities
-        lr, lg = lp_ref[r], lp[r].double()
-        fin = torch.isfinite(lr)
-        if not torch.equal(lg[~fin], lr[~fin]):
-            fails.append(f"{where}: log mask infinities differ")
-        elif fin.any():
-            floor = (lr[fin].to(dtype).double() - lr[fin]).abs().max().item()
-            ltol = 4 * floor + 1e-12 + cond
-            lerr = (lg[fin] - lr[fin]).abs().max().item()
-            if not lerr <= ltol:
-                fails.append(f"{where}: log mask error {lerr:.3e} > {ltol:.3e}")
-    return fails
 
 
 @pytest.mark.parametrize("largest", [True, False])
@@ -173,11 +75,6 @@ def test_budget_at_the_infinities(device, n, dtype):
         for largest in (True, False):
             fails = check_against_oracle(x, k, tt, torch.zeros(len(ks), dtype=torch.long), largest)
             assert not fails, "\n".join(fails[:20])
-
-
-def same_or_close(a, b, rtol, atol):
-    """Elementwise: equal (infinities, NaN included) or within atol + rtol |b|."""
-    return bool(((a == b) | (a.isnan() & b.isnan()) | ((a - b).abs() <= atol + rtol * b.abs())).all())
 
 
 @requires_cuda

@@ -12,10 +12,8 @@ import torch
 
 import fastlapsum as fl
 
-from conftest import BUDGET_TOL, DTYPES, P_TOL, budget_error, gap_precision, requires_cuda
-from test_short_rows_cuda import KINDS, NAN_KIND, check_against_oracle, row_of_kind, same_or_close
-
-F64 = torch.float64
+from conftest import (BUDGET_TOL, DTYPES, F64, KINDS, NAN_KIND, P_TOL, budget_error, check_against_oracle,
+                      gap_precision, requires_cuda, row_of_kind, same_or_close)
 TINY_NS = [8, 16, 64, 100, 256, 1000]
 
 
