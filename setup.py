@@ -11,6 +11,8 @@ Every build switch is documented here and in README.md:
     TORCH_CUDA_ARCH_LIST       GPU architectures; defaults to 9.0 (H100/H200) with no GPU visible
     MAX_JOBS                   parallel compile jobs (ninja)
     FASTLAPSUM_DEBUG=1         -O0 -g, no fast math (otherwise -O3 and no debug info)
+    FASTLAPSUM_OPENMP=0        no -fopenmp (default: on Linux when torch runs OpenMP and the
+                               compiler links it; the CPU kernels' parallel_for needs it)
     FASTLAPSUM_BUILD_DIR       where objects, build/ and egg-info go (never the source tree);
                                default: a folder per checkout under ~/.cache/fastlapsum (kept,
                                so rebuilds are incremental), or a temporary one for a source
@@ -21,6 +23,7 @@ import glob
 import hashlib
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -100,16 +103,31 @@ def want_cuda() -> bool:
     return available
 
 
+def openmp_flags() -> list:
+    """-fopenmp where torch itself runs OpenMP (Linux wheels) and the C++ compiler links it:
+    ATen's parallel_for is a header template that runs its loop serially unless the extension
+    is compiled with OpenMP. FASTLAPSUM_OPENMP=0 leaves it out."""
+    if os.environ.get("FASTLAPSUM_OPENMP", "1") == "0" or not sys.platform.startswith("linux"):
+        return []
+    if not torch.backends.openmp.is_available():
+        return []
+    probe = subprocess.run([os.environ.get("CXX", "c++"), "-fopenmp", "-x", "c++", "-", "-o", os.devnull],
+                           input=b"#include <omp.h>\nint main() { return omp_get_max_threads() < 1; }\n",
+                           capture_output=True)
+    return ["-fopenmp"] if probe.returncode == 0 else []
+
+
 def extension():
     debug = os.environ.get("FASTLAPSUM_DEBUG", "0") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
     # -g0 overrides the -g of Python's CFLAGS: debug info of torch's headers doubles the compile time
-    cxx = opt + ([] if debug else ["-g0"])  # torch.utils.cpp_extension picks the C++ standard torch needs
+    cxx = opt + ([] if debug else ["-g0"]) + openmp_flags()  # cpp_extension picks the C++ standard torch needs
     sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
     if not sources:
         raise RuntimeError(f"no C++ sources under {os.path.abspath('csrc')}: run from the source tree")
     if not want_cuda():
-        return CppExtension("fastlapsum._C", sources, extra_compile_args={"cxx": cxx}, py_limited_api=False)
+        return CppExtension("fastlapsum._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=openmp_flags(),
+                            py_limited_api=False)
     if not torch.cuda.is_available():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     sources += sorted(glob.glob("csrc/**/*.cu", recursive=True))
@@ -118,6 +136,7 @@ def extension():
         "fastlapsum._C",
         sources,
         extra_compile_args={"cxx": cxx + ["-DFASTLAPSUM_WITH_CUDA"], "nvcc": nvcc},
+        extra_link_args=openmp_flags(),
     )
 
 
