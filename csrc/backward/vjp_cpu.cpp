@@ -38,7 +38,7 @@ void vjp_rows(BackwardIO& io, double sign, const Term& term, const Up& up, const
   double* gkp = io.gk.mutable_data_ptr<double>();
   double* gtp = io.gt.mutable_data_ptr<double>();
   scalar_t* op = io.gx.mutable_data_ptr<scalar_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, rows_grain(n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const double br = sign * bp[r], tr = tp[r], inv_t = inv_temperature(tr);
       const auto element = [&](int64_t i) { return term(r, i, br, inv_t); };

@@ -21,6 +21,10 @@ struct Row {
   double operator()(int64_t i) const { return sign * static_cast<double>(p[i]); }
 };
 
+// Rows a parallel task takes at least: a task of fewer than ~kPartSize scores costs less
+// than the fork and join of a parallel region (tiny rows run serially).
+inline int64_t rows_grain(int64_t n) { return std::max<int64_t>(1, kPartSize / std::max<int64_t>(n, 1)); }
+
 // Run f(begin, end, part) over a fixed split of [0, n) and return the parts in order.
 template <typename Part, typename F>
 std::vector<Part> over_parts(int64_t n, const Part& init, const F& f) {

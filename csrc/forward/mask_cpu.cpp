@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../common/cpu_rows.h"
 #include "../common/lapsum_math.h"
 #include "../hard_topk/select_cpu.h"
 #include "../common/op_io.h"
@@ -62,7 +63,7 @@ at::Tensor hard_mask_cpu(const at::Tensor& x_in, const at::Tensor& k_in, const a
     const double* kp = k.const_data_ptr<double>();
     const double* bp = b.const_data_ptr<double>();
     scalar_t* pp = p.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, rows, rows_grain(n), [&](int64_t r0, int64_t r1) {
       std::vector<int64_t> idx;
       for (int64_t r = r0; r < r1; ++r) {
         scalar_t* row_out = pp + r * n;

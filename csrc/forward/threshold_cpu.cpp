@@ -247,7 +247,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cpu(const at::Te
     double* bp = b.mutable_data_ptr<double>();
     double* ep = edge.mutable_data_ptr<double>();
     int64_t* dp = diag.mutable_data_ptr<int64_t>();
-    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, rows, rows_grain(n), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const RowSolution s = solve_row(Row<scalar_t>{xp + r * n, n, sign}, r, kp[r], tp[r], method);
         bp[r] = sign * s.b;

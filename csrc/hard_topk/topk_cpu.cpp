@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../common/cpu_rows.h"
 #include "../common/plan.h"
 #include "../cuda/topk/plan_topk.h"
 #include "../ops.h"
@@ -53,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor> topk_cpu(const at::Tensor& x_in, int64_t k, b
     scalar_t* vp = values.mutable_data_ptr<scalar_t>();
     int64_t* ip = indices.mutable_data_ptr<int64_t>();
     const scalar_t pad = worst_score<scalar_t>(largest);
-    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, rows, rows_grain(n), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t valid = lp ? lp[r] : n;
         const int64_t take = std::min(k, valid);
