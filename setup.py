@@ -121,12 +121,13 @@ def extension():
     debug = os.environ.get("FASTLAPSUM_DEBUG", "0") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
     # -g0 overrides the -g of Python's CFLAGS: debug info of torch's headers doubles the compile time
-    cxx = opt + ([] if debug else ["-g0"]) + openmp_flags()  # cpp_extension picks the C++ standard torch needs
+    omp = openmp_flags()  # compile and link flags (the probe compiles once)
+    cxx = opt + ([] if debug else ["-g0"]) + omp  # cpp_extension picks the C++ standard torch needs
     sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
     if not sources:
         raise RuntimeError(f"no C++ sources under {os.path.abspath('csrc')}: run from the source tree")
     if not want_cuda():
-        return CppExtension("fastlapsum._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=openmp_flags(),
+        return CppExtension("fastlapsum._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=omp,
                             py_limited_api=False)
     if not torch.cuda.is_available():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
@@ -136,7 +137,7 @@ def extension():
         "fastlapsum._C",
         sources,
         extra_compile_args={"cxx": cxx + ["-DFASTLAPSUM_WITH_CUDA"], "nvcc": nvcc},
-        extra_link_args=openmp_flags(),
+        extra_link_args=omp,
     )
 
 
