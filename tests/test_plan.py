@@ -132,11 +132,14 @@ def test_soft_regime_reads_no_data():
 
 # The branches of the long-row launch plan (plan_long_rows, csrc/cuda/soft/plan_soft.h; the
 # comments give the H200's 132 SMs): whether the gathering level proposes for itself or a
-# propose launch runs, whether the middle set is solved on chip or binned, the radix bracket.
+# propose launch runs (and which instance: capped for three CTAs an SM, or uncapped where the
+# propose grid fits one wave of one CTA an SM), whether the middle set is solved on chip or
+# binned, the radix bracket.
 LONG_PLAN_CELLS = [
     (1, 65536, torch.float32, "bracket"),  # one tile a block, all in flight: self-propose; on-chip middle set
-    (64, 65536, torch.float32, "bracket"),  # blocks a row cut by the wave: a propose launch
-    (2, (1 << 21) + 4096, torch.float32, "bracket"),  # two tiles a block; past 2^21: binned middle set
+    (64, 65536, torch.float32, "bracket"),  # blocks a row cut by the wave: a propose launch, 64 x 4 blocks: capped
+    (2, (1 << 21) + 4096, torch.float32, "bracket"),  # two tiles a block, 2 x 33 propose blocks: uncapped; binned
+    # middle set (past 2^21)
     (2, 300000, F64, "bracket"),  # fp64: binned middle set
     (2, 5000, torch.float32, "sort"),  # radix-rows: the radix bracket alone, a one-block propose
 ]

@@ -96,13 +96,16 @@ struct ScanStorage {
 
 // The scan of row r (still refining) over its bins h and its level's `chunks` partials;
 // writes the row's next state and zeroes the bins for the next level. Every thread of the
-// block calls it. Not inlined, and it reads the row's state itself: the level kernel's tile
-// loop spills more with either the scan inlined or the state kept live across the loop.
+// block calls it. The row's state: *read where the caller has read it after its wait
+// (scan_kernel: for_each_row_cta's copy, one load of it), else state[r]. Not inlined, and the
+// level kernel's scan reads the state here: its tile loop spills more with either the scan
+// inlined or the state kept live across the loop.
 template <typename scalar_t, int kThreads>
 __device__ __noinline__ void scan_row(ScanStorage<kThreads>& sm, int64_t r, RowState* __restrict__ state,
                                       BinSums* __restrict__ h, const LevelPartial* __restrict__ partial, int chunks,
                                       const double* __restrict__ k_in, double* __restrict__ b_out,
-                                      double* __restrict__ edge_out, int64_t* __restrict__ diag, int64_t n, double sign) {
+                                      double* __restrict__ edge_out, int64_t* __restrict__ diag, int64_t n, double sign,
+                                      const RowState* read = nullptr) {
   using KT = KeyTraits<scalar_t>;
   using Key = typename KT::Key;
   using AtomScan = cub::BlockScan<Atom, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
@@ -110,7 +113,7 @@ __device__ __noinline__ void scan_row(ScanStorage<kThreads>& sm, int64_t r, RowS
   using AboveScan = cub::BlockScan<FlatAbove, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   using MinIndex = cub::BlockReduce<int, kThreads>;
   constexpr int kBinsPer = kBins / kThreads;  // consecutive bins per thread
-  RowState st = state[r];
+  RowState st = *(read != nullptr ? read : state + r);
   const LevelPartial total = fold_partials<kThreads>(partial, chunks, sm.tmp.fold, sm.total);
   const double t = st.t;
   const uint64_t lo = st.lo_key, hi = st.hi_key;
@@ -290,9 +293,9 @@ scan_kernel(RowState* __restrict__ state, BinSums* __restrict__ hist, const Leve
             int chunks, const double* __restrict__ k_in, double* __restrict__ b_out, double* __restrict__ edge_out,
             int64_t* __restrict__ diag, int64_t rows, int64_t n, double sign, bool preread) {
   __shared__ ScanStorage<kScanThreads> sm;
-  for_each_row_cta(state, rows, preread, past_refine, refining, [&](int64_t r) {
+  for_each_row_cta(state, rows, preread, past_refine, refining, [&](int64_t r, const RowState& st) {
     scan_row<scalar_t, kScanThreads>(sm, r, state, hist + r * kBins, partial + r * chunks, chunks, k_in, b_out,
-                                     edge_out, diag, n, sign);
+                                     edge_out, diag, n, sign, &st);
   });
 }
 

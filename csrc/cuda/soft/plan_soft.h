@@ -44,6 +44,7 @@ struct LongRowsPlan {
   bool self_propose;       // the gathering level proposes for itself: no propose launch
   int64_t propose_blocks;  // propose's grid: blocks a row, rows at once (when launched)
   int64_t propose_rows;
+  int propose_min_blocks;  // propose's instance: the CTAs an SM its registers are sized for
   int levels;              // level launches
   bool sorted_middle;      // the gathered middle set is solved on chip after level 0
   bool preread;            // see rows_settled_early
@@ -84,8 +85,8 @@ inline void plan_on_chip(SoftPlan& p, int64_t rows, int64_t n, bool fp64, const 
   }
 }
 
-// Long rows: propose_wave() gives the propose blocks resident on the whole GPU (asked only
-// when a propose launch is planned).
+// Long rows: propose_wave(min_blocks) gives the blocks of propose's instance for min_blocks
+// resident on the whole GPU (asked only when a propose launch is planned).
 template <typename ProposeWave>
 LongRowsPlan plan_long_rows(int64_t rows, int64_t n, at::ScalarType dtype, bool sort, int sms,
                             const SoftLaunchTuning& tu, const ProposeWave& propose_wave) {
@@ -127,7 +128,13 @@ LongRowsPlan plan_long_rows(int64_t rows, int64_t n, at::ScalarType dtype, bool 
     // one wave of blocks loop, so that a row's blocks are all resident.
     const int64_t per_propose = int64_t(kProposeThreads) * kSampleKeys;
     p.propose_blocks = sort ? 1 : (sample_geometry(n, 0).count + per_propose - 1) / per_propose;
-    const int64_t propose_all = propose_wave();
+    // The instance without the register cap where every row's blocks fit one wave of it (a
+    // single long row): the cap buys CTAs an SM that such a grid does not fill. Else the capped
+    // one, for the rows in flight.
+    const int64_t one_wave = propose_wave(SoftTuning::kProposeMinBlocksOneWave);
+    const bool fits = rows * p.propose_blocks <= one_wave;
+    p.propose_min_blocks = fits ? SoftTuning::kProposeMinBlocksOneWave : SoftTuning::kProposeMinBlocks;
+    const int64_t propose_all = fits ? one_wave : propose_wave(p.propose_min_blocks);
     p.propose_rows = std::max<int64_t>(1, std::min<int64_t>(p.row_blocks, propose_all / p.propose_blocks));
   }
   // The first level certifies (a bracketed row: two levels, gather then bin); a row sent to

@@ -200,9 +200,10 @@ __device__ inline int select_digits(const RowSelectStart& rs, typename cub::Bloc
 // range, in one launch: a few blocks per row each keep kSampleKeys keys per thread in
 // registers and count each digit in shared memory before adding it to the row's histogram.
 // The first digit's histogram and the barrier counter come zeroed; the later ones are zeroed
-// here before the first barrier.
-template <typename scalar_t>
-__global__ void __launch_bounds__(kProposeThreads, SoftTuning::kProposeMinBlocks)
+// here before the first barrier. An instance for each of SoftTuning's kProposeMinBlocks and
+// kProposeMinBlocksOneWave CTAs an SM (the plan's propose_min_blocks): the same code.
+template <typename scalar_t, int kMinBlocks>
+__global__ void __launch_bounds__(kProposeThreads, kMinBlocks)
 propose_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in, const double* __restrict__ t_in,
                RowState* __restrict__ state, unsigned* __restrict__ first_hist, unsigned* __restrict__ later_hist,
                int64_t rows, int64_t n, double sign, bool sort) {

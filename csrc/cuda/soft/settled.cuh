@@ -41,9 +41,9 @@ __device__ inline bool rows_settled_early(const RowState* state, int64_t first, 
   return __syncthreads_and(all) != 0;
 }
 
-// A launch of a CTA a row (rows blockIdx.x, + gridDim.x, ...): body(r) in every thread for
-// each row whose status `wants`, after the wait; with preread, a block whose rows are all
-// `settled` before the wait ends at it.
+// A launch of a CTA a row (rows blockIdx.x, + gridDim.x, ...): body(r, st) in every thread for
+// each row whose status `wants`, st the row's state read once after the wait; with preread, a
+// block whose rows are all `settled` before the wait ends at it.
 template <typename Body>
 __device__ inline void for_each_row_cta(const RowState* state, int64_t rows, bool preread, bool (*settled)(int),
                                         bool (*wants)(int), Body body) {
@@ -51,7 +51,8 @@ __device__ inline void for_each_row_cta(const RowState* state, int64_t rows, boo
   begin_dependent_grid();
   if (skip) return;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    if (wants(state[r].status)) body(r);  // uniform
+    const RowState st = state[r];
+    if (wants(st.status)) body(r, st);  // uniform
   }
 }
 __device__ inline bool refining(int status) { return !past_refine(status); }

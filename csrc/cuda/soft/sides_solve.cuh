@@ -28,12 +28,13 @@ union SidesScratch {
 
 // The solve of row r (its gap found): its `parts` sides partials folded in a fixed order,
 // rescaled to the nearest scores and solved; writes b, edge, diag and the state (done). Every
-// thread of the block calls it. It reads the row's state itself (see scan_row).
+// thread of the block calls it. The row's state as scan_row's: *read, else state[r].
 template <int kThreads>
 __device__ __noinline__ void solve_row(SidesScratch<kThreads>& scratch, int64_t r, RowState* __restrict__ state,
                                        const SidesPartial* __restrict__ partial, int parts, double* __restrict__ b_out,
-                                       double* __restrict__ edge_out, int64_t* __restrict__ diag, double sign) {
-  RowState st = state[r];
+                                       double* __restrict__ edge_out, int64_t* __restrict__ diag, double sign,
+                                       const RowState* read = nullptr) {
+  RowState st = *(read != nullptr ? read : state + r);
   const Atom none{0, 0, 0, 0, 0};
   const double inv_t = inv_temperature(st.t);
   GapSides g{none, none};
@@ -169,8 +170,8 @@ solve_kernel(RowState* __restrict__ state, const SidesPartial* __restrict__ part
              double* __restrict__ b_out, double* __restrict__ edge_out, int64_t* __restrict__ diag, int64_t rows,
              double sign, bool preread) {
   __shared__ SidesScratch<kSolveThreads> scratch;
-  for_each_row_cta(state, rows, preread, is_done, solving, [&](int64_t r) {
-    solve_row<kSolveThreads>(scratch, r, state, partial + r * parts, parts, b_out, edge_out, diag, sign);
+  for_each_row_cta(state, rows, preread, is_done, solving, [&](int64_t r, const RowState& st) {
+    solve_row<kSolveThreads>(scratch, r, state, partial + r * parts, parts, b_out, edge_out, diag, sign, &st);
   });
 }
 

@@ -68,6 +68,18 @@
 #include "sides_solve.cuh"
 
 namespace fastlapsum {
+namespace {
+
+// propose_kernel's instance for a plan's propose_min_blocks.
+template <typename scalar_t>
+auto propose_instance(int min_blocks) {
+  TORCH_CHECK(min_blocks == SoftTuning::kProposeMinBlocks || min_blocks == SoftTuning::kProposeMinBlocksOneWave,
+              "fastlapsum: internal: no propose instance for ", min_blocks, " CTAs an SM");
+  return min_blocks == SoftTuning::kProposeMinBlocks ? propose_kernel<scalar_t, SoftTuning::kProposeMinBlocks>
+                                                     : propose_kernel<scalar_t, SoftTuning::kProposeMinBlocksOneWave>;
+}
+
+}  // namespace
 
 SoftPlan plan_soft_cuda(int64_t rows, int64_t n, at::ScalarType dtype, int64_t method) {
   SoftPlan plan{};
@@ -77,10 +89,11 @@ SoftPlan plan_soft_cuda(int64_t rows, int64_t n, at::ScalarType dtype, int64_t m
     plan_on_chip(plan, rows, n, dtype == at::kDouble, soft_launch_tuning(compute_capability()));
     return plan;
   }
-  const auto propose_wave = [&] {
+  const auto propose_wave = [&](int min_blocks) {
     int64_t wave = 0;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "plan_soft_cuda", [&] {
-      wave = int64_t(resident_blocks(propose_kernel<scalar_t>, kProposeThreads, 0, c10::cuda::current_device())) *
+      wave = int64_t(resident_blocks(propose_instance<scalar_t>(min_blocks), kProposeThreads, 0,
+                                     c10::cuda::current_device())) *
              sm_count();
     });
     return wave;
@@ -143,7 +156,7 @@ void solve_long_rows_cuda(const at::Tensor& x, const at::Tensor& k, const at::Te
     auto* arrivals = fused ? reinterpret_cast<unsigned*>(zp + hist_bytes + first_bytes) : nullptr;
     auto* later = reinterpret_cast<unsigned*>(wp + offset[kLater]);
     if (!self_propose)
-      launch_dependent(propose_kernel<scalar_t>,
+      launch_dependent(propose_instance<scalar_t>(plan.propose_min_blocks),
                        dim3(static_cast<unsigned>(plan.propose_blocks), static_cast<unsigned>(plan.propose_rows)),
                        kProposeThreads, 0, stream, xp, k.const_data_ptr<double>(), t.const_data_ptr<double>(), st,
                        first_hist, later, rows, n, sign, sort);

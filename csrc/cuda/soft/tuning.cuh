@@ -30,11 +30,14 @@ struct SoftTuningSm90 {
   static constexpr int warp_min_blocks(int items, int key_bytes) {
     return items <= 2 || (key_bytes == 4 && items <= 8) ? 4 : items <= (key_bytes == 8 ? 8 : 16) ? 3 : 2;
   }
-  // CTAs an SM that propose_kernel's registers are capped for (80 registers, a few spilled;
-  // uncapped it takes 181, one CTA an SM). Rows beyond one wave of propose blocks loop, each
-  // row's select trading histograms through global memory: on batched long rows (2048 x
-  // 131072) the rows in flight bound it.
+  // CTAs an SM that propose_kernel's registers are sized for (__launch_bounds__), one instance
+  // each. Rows beyond one wave of propose blocks loop, each row's select trading histograms
+  // through global memory: on batched long rows (2048 x 131072) the rows in flight bound it,
+  // so those take kProposeMinBlocks (80 registers, a few spilled). A grid that fits one wave
+  // of kProposeMinBlocksOneWave (a single long row: a few dozen blocks) gains nothing from the
+  // cap and takes that instance (181 registers, no spills).
   static constexpr int kProposeMinBlocks = 3;
+  static constexpr int kProposeMinBlocksOneWave = 1;
 };
 using SoftTuning = SoftTuningSm90;
 
