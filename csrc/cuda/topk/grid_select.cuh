@@ -219,33 +219,25 @@ __global__ void __launch_bounds__(kBlock) g_collect(Params P) {
   const auto admit = [&](float v) { return flip == 0 ? !(v < lo) : v <= hi; };
   const int64_t L = st.L, cap = P.cap_g;
   uint64_t* cr = P.cand + r * cap;
-  const int64_t nv = (L + V - 1) / V, step = P.bpr * int64_t(kBlock) * U;
-  const auto load_tile = [&](RawVec<T>(&raw)[U], int64_t v0) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t v = v0 + u * kBlock + threadIdx.x;
-      if (v < nv) raw[u] = load_raw_vec<T>(xr, v, L, aligned);
-    }
+  // vector indices in 32 bits (a row has < 2^32 scores): whole tiles load and test without
+  // per-vector or per-score bounds (row_pass.cuh)
+  const uint32_t nv = static_cast<uint32_t>((L + V - 1) / V), whole = static_cast<uint32_t>(L / V);
+  const uint32_t step = static_cast<uint32_t>(P.bpr) * kBlock * U;
+  const auto load_tile = [&](RawVec<T>(&raw)[U], uint32_t v0) {
+    load_tile_vecs<kBlock>(raw, xr, v0, nv, whole, L, aligned);
   };
   int tiles = 0;
   RawVec<T> raw[U], next[U];
-  const int64_t first = blockIdx.x * int64_t(kBlock) * U;
+  const uint32_t first = blockIdx.x * uint32_t(kBlock) * U;
   if (first < nv) load_tile(raw, first);
-  for (int64_t v0 = first; v0 < nv; v0 += step) {  // uniform trip count
+  for (uint32_t v0 = first; v0 < nv; v0 += step) {  // uniform trip count
     // the next tile's loads are in flight while this one is tested and flushed
     if (v0 + step < nv) load_tile(next, v0 + step);
-    uint32_t bits = 0;
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        const int64_t i = (v0 + u * kBlock + threadIdx.x) * V + e;
-        if (i < L && admit(raw[u][e])) bits |= 1u << (u * V + e);
-      }
+    const uint32_t bits = tile_bits<kBlock>(raw, v0, whole, L, [&](float v, uint32_t) { return admit(v); });
     uint32_t slot = warp_stage_slots(ss, static_cast<uint32_t>(__popc(bits)));
     for (uint32_t b = bits; b != 0; b &= b - 1) {
       const int q = __ffs(b) - 1;
-      const int64_t i = (v0 + (q / V) * kBlock + threadIdx.x) * V + q % V;
+      const int64_t i = int64_t(v0 + (q / V) * kBlock + threadIdx.x) * V + q % V;
       const uint32_t key = float_key(to_float(xr[i])) ^ flip;
       buf[slot++] = composite(key, static_cast<uint32_t>(i));
       atomicAdd(&hist[key >> 21], 1u);

@@ -17,6 +17,51 @@ __device__ __forceinline__ float key_bound(uint32_t key) {
   return f == f ? f : (key >= 0x80000000u ? INFINITY : -INFINITY);
 }
 
+// A thread's U vectors of the tile at vector v0 (vector v0 + u * kT + threadIdx.x; vector
+// indices in 32 bits: a row has < 2^32 scores): plain 16-byte loads where the whole tile is
+// aligned and inside the row (uniform in the block), else loads checked per vector.
+template <int kT, int U, typename T>
+__device__ __forceinline__ void load_tile_vecs(RawVec<T> (&raw)[U], const T* __restrict__ xr, uint32_t v0,
+                                               uint32_t nv, uint32_t whole, int64_t L, bool aligned) {
+  if (aligned && v0 + uint32_t(kT) * U <= whole) {
+    const uint4* p = reinterpret_cast<const uint4*>(xr) + v0 + threadIdx.x;
+#pragma unroll
+    for (int u = 0; u < U; ++u) raw[u].raw = ldg16(p + u * kT);
+    return;
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const uint32_t v = v0 + u * kT + threadIdx.x;
+    if (v < nv) raw[u] = load_raw_vec<T>(xr, v, L, aligned);
+  }
+}
+
+// The tile's test as bits (bit u * V + e: score e of the thread's vector u): pred(score, i)
+// on each score inside the row, with no bound per score where the tile is whole (uniform).
+template <int kT, int U, typename T, typename Pred>
+__device__ __forceinline__ uint32_t tile_bits(const RawVec<T> (&cur)[U], uint32_t v0, uint32_t whole, int64_t L,
+                                              Pred&& pred) {
+  constexpr int V = 16 / sizeof(T);
+  const uint32_t i0 = (v0 + threadIdx.x) * V;  // score (u, e) is i0 + u*kT*V + e
+  uint32_t bits = 0;
+  if (v0 + uint32_t(kT) * U <= whole) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int e = 0; e < V; ++e)
+        bits |= static_cast<uint32_t>(pred(cur[u][e], i0 + u * kT * V + e)) << (u * V + e);
+  } else {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const int64_t i = int64_t(v0 + u * kT + threadIdx.x) * V + e;
+        if (i < L && pred(cur[u][e], static_cast<uint32_t>(i))) bits |= 1u << (u * V + e);
+      }
+  }
+  return bits;
+}
+
 // Deterministic block-wide compaction over a row: tiles in row order, and inside a tile
 // each thread's items at offsets from one block scan (no atomics: the order of the
 // compacted items is a fixed function of the input). pred(score, i) selects (on the fp32
@@ -41,40 +86,12 @@ __device__ uint32_t ordered_row_compact(const T* __restrict__ xr, int64_t L, boo
   // the kernel's register cap, and 64-bit counters take a register pair each.
   const uint32_t nv = static_cast<uint32_t>((L + V - 1) / V), whole = static_cast<uint32_t>(L / V);
   constexpr uint32_t step = uint32_t(kT) * U;
-  const auto load_tile = [&](RawVec<T>(&raw)[U], uint32_t v0) {
-    if (aligned && v0 + step <= whole) {  // a whole aligned tile (uniform): no per-vector checks
-      const uint4* p = reinterpret_cast<const uint4*>(xr) + v0 + threadIdx.x;
-#pragma unroll
-      for (int u = 0; u < U; ++u) raw[u].raw = ldg16(p + u * kT);
-      return;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const uint32_t v = v0 + u * kT + threadIdx.x;
-      if (v < nv) raw[u] = load_raw_vec<T>(xr, v, L, aligned);
-    }
-  };
-  const auto score = [&](const RawVec<T>(&raw)[U], int u, int e) { return raw[u][e]; };
+  const auto load_tile = [&](RawVec<T>(&raw)[U], uint32_t v0) { load_tile_vecs<kT>(raw, xr, v0, nv, whole, L, aligned); };
   uint32_t base = 0;
   int par = 0;  // the warp-total array of this tile
   const auto tile = [&](const RawVec<T>(&cur)[U], uint32_t v0) {
     const uint32_t i0 = (v0 + threadIdx.x) * V;  // score (u, e) is i0 + u*kT*V + e
-    uint32_t bits = 0;
-    if (v0 + step <= whole) {  // whole tile (uniform in the block)
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int e = 0; e < V; ++e)
-          bits |= static_cast<uint32_t>(pred(score(cur, u, e), i0 + u * kT * V + e)) << (u * V + e);
-    } else {
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          const int64_t i = int64_t(v0 + u * kT + threadIdx.x) * V + e;
-          if (i < L && pred(score(cur, u, e), static_cast<uint32_t>(i))) bits |= 1u << (u * V + e);
-        }
-    }
+    const uint32_t bits = tile_bits<kT>(cur, v0, whole, L, pred);
     uint32_t agg;
     uint32_t pos = tile_exclusive_sum<kT>(static_cast<uint32_t>(__popc(bits)), tot[par], agg);
     // Only the set bits: a test per score here cost the pass as much as the scores' own
