@@ -10,7 +10,9 @@ Every build switch is documented here and in README.md:
                                torch is a CUDA build (no GPU needed); 1: require it; 0: CPU only
     TORCH_CUDA_ARCH_LIST       GPU architectures; defaults to 9.0 (H100/H200) with no GPU visible
     MAX_JOBS                   parallel compile jobs (ninja)
-    FASTLAPSUM_DEBUG=1         -O0 -g, no fast math (otherwise -O3 and no debug info)
+    FASTLAPSUM_DEBUG=1         -O0 -g (otherwise -O3 and no debug info; C++ always with
+                               -fno-trapping-math, which lets the CPU loops vectorize:
+                               csrc/common/cpu_vec.h)
     FASTLAPSUM_OPENMP=0        no -fopenmp (default: on Linux when torch runs OpenMP and the
                                compiler links it; the CPU kernels' parallel_for needs it)
     FASTLAPSUM_BUILD_DIR       where objects, build/ and egg-info go (never the source tree);
@@ -122,7 +124,11 @@ def extension():
     opt = ["-O0", "-g"] if debug else ["-O3"]
     # -g0 overrides the -g of Python's CFLAGS: debug info of torch's headers doubles the compile time
     omp = openmp_flags()  # compile and link flags (the probe compiles once)
-    cxx = opt + ([] if debug else ["-g0"]) + omp  # cpp_extension picks the C++ standard torch needs
+    # -fno-trapping-math: selects in the per-score loops may evaluate both sides, so they vectorize
+    # (no fast math: results stay IEEE); -Wno-psabi: GCC notes that vectors passed without AVX
+    # change the ABI, but those helpers are always inlined (cpu_vec.h); cpp_extension picks the
+    # C++ standard torch needs
+    cxx = opt + ([] if debug else ["-g0"]) + ["-fno-trapping-math", "-Wno-psabi"] + omp
     sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
     if not sources:
         raise RuntimeError(f"no C++ sources under {os.path.abspath('csrc')}: run from the source tree")

@@ -10,12 +10,33 @@
 #include <vector>
 
 #include "../common/cpu_rows.h"
+#include "../common/cpu_vec.h"
 #include "../common/lapsum_math.h"
 #include "../hard_topk/select_cpu.h"
 #include "../common/op_io.h"
 #include "../ops.h"
 
 namespace fastlapsum {
+namespace {
+
+// p = F(u), u = (s - b)/t, on a row segment with a finite b: 1/2 e^{-|u|} below b, one minus
+// it above (one exponential, no branch: the loop vectorizes). Outputs narrower than fp64 take
+// the shorter polynomial, whose error is far below their rounding, and u = (s - b) / t as a
+// product with 1/t (its extra rounding moves e^u by |u| 2^-53, within fp32's); fp64 divides.
+template <typename scalar_t>
+FLS_CPU_CLONES void soft_mask_segment(const scalar_t* x, int64_t len, double sign, double b, double t,
+                                      scalar_t* p) {
+  constexpr bool kF64 = std::is_same_v<scalar_t, double>;
+  constexpr int kDegree = kF64 ? kExpDegreeF64 : kExpDegreeF32;
+  const double inv_t = inv_temperature(t);
+  for (int64_t i = 0; i < len; ++i) {
+    const double d = sign * static_cast<double>(x[i]) - b, u = kF64 ? d / t : d * inv_t;
+    const double h = 0.5 * exp_nonpos<kDegree>(-std::fabs(u));
+    p[i] = static_cast<scalar_t>(u <= 0.0 ? h : 1.0 - h);
+  }
+}
+
+}  // namespace
 
 at::Tensor lapsum_mask_cpu(const at::Tensor& x_in, const at::Tensor& b_in, const at::Tensor& t_in,
                            const at::Tensor& edge_in, bool largest, bool log_mode) {
@@ -32,20 +53,20 @@ at::Tensor lapsum_mask_cpu(const at::Tensor& x_in, const at::Tensor& b_in, const
     const double* tp = t.const_data_ptr<double>();
     const double* ep = edge.const_data_ptr<double>();
     // Chunks of the flattened rows, walked a row segment at a time (the row's b, t and 1/t
-    // read once). Low-precision outputs take lapsum_prob_f, the GPU's formula (the fp64
-    // argument, an fp32 exponential), at a fraction of an fp64 exp's cost.
+    // read once). A row with an infinite b (its budget held by infinite scores) takes the
+    // scalar formula.
     at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1;) {
         const int64_t r = i / n, end = std::min(i1, (r + 1) * n);
-        const double br = sign * bp[r], tr = tp[r], er = ep[r], inv_t = inv_temperature(tr);
+        const double br = sign * bp[r], tr = tp[r], er = ep[r];
         if (log_mode) {
           for (; i < end; ++i)
             pp[i] = static_cast<scalar_t>(lapsum_log_prob(sign * static_cast<double>(xp[i]), br, tr, er));
-        } else if constexpr (std::is_same_v<scalar_t, double>) {
-          for (; i < end; ++i) pp[i] = lapsum_prob(sign * xp[i], br, tr, er);
+        } else if (std::isinf(br)) {
+          for (; i < end; ++i) pp[i] = static_cast<scalar_t>(lapsum_prob(sign * static_cast<double>(xp[i]), br, tr, er));
         } else {
-          for (; i < end; ++i)
-            pp[i] = static_cast<scalar_t>(lapsum_prob_f(sign * static_cast<double>(xp[i]), br, inv_t, er));
+          soft_mask_segment(xp + i, end - i, sign, br, tr, pp + i);
+          i = end;
         }
       }
     });

@@ -17,6 +17,7 @@
 #include "../common/atom_scan.h"
 #include "../common/bracket_rule.h"
 #include "../common/cpu_rows.h"
+#include "../common/cpu_vec.h"
 #include "../common/order_keys.h"
 #include "../common/op_io.h"
 #include "../common/plan.h"
@@ -132,15 +133,58 @@ double solve_radix(const Row<scalar_t>& row, double k, double t) {
   return NAN;  // unreachable: a 64-bit prefix is a single value
 }
 
-struct BracketPass {
+// The sample's Laplace noise by slot (laplace_noise), computed once: a sample takes fewer than
+// 2 kMaxSample slots, and an fp64 log per slot and call cost about what certifying costs.
+double sample_noise(int64_t slot) {
+  static const std::vector<double> table = [] {
+    std::vector<double> v(2 * kMaxSample);
+    for (size_t s = 0; s < v.size(); ++s) v[s] = laplace_noise(static_cast<uint32_t>(s));
+    return v;
+  }();
+  return slot < static_cast<int64_t>(table.size()) ? table[slot] : laplace_noise(static_cast<uint32_t>(slot));
+}
+
+// A certification pass's sums over one part of a row (§1.2): h = #{s >= aR}, SR = sum e^{(aR-s)/t}
+// over those, SL = sum e^{(s-aL)/t} over s < aL, and over the middle aL <= s < aR its count,
+// midR = sum e^{(s-aR)/t} and midL = sum e^{(aL-s)/t}. Both ends' e^{-|s-a|/t} are taken for
+// every score and selected (branch-free, four lanes); non-finite scores count nowhere.
+struct BracketSums {
   double h = 0, SR = 0, SL = 0, midR = 0, midL = 0;
   int64_t count = 0;
-  std::vector<double> mid;
 };
 
-// §1.2: propose a bracket from the noised systematic sample, certify it and gather the
-// middle set in one pass, solve on the middle set with the tails folded in; widen on
-// failure (the failed side tells where b is), then fall back to the radix bracket.
+template <typename scalar_t>
+FLS_CPU_CLONES BracketSums bracket_sums(const scalar_t* x, int64_t i0, int64_t i1, double sign, double aL,
+                                        double aR, GapExp ex) {
+  F64x4 h{}, SR{}, SL{}, midR{}, midL{}, count{};
+  // inlined (a vector passed by value to a function built for another ISA changes the ABI)
+  const auto add = [&](const F64x4& s) __attribute__((always_inline)) {
+    const I64x4 finite = s - s == 0.0, above = finite & (s >= aR), below = finite & (s < aL),
+                mid = finite & ~above & ~below;
+    const F64x4 dR = s - aR, dL = s - aL;
+    const F64x4 eR = exp_nonpos((dR < 0.0 ? dR : -dR) * ex.scale * ex.inv_ts);
+    const F64x4 eL = exp_nonpos((dL < 0.0 ? dL : -dL) * ex.scale * ex.inv_ts);
+    h += above ? 1.0 : 0.0;
+    SR += above ? eR : 0.0;
+    SL += below ? eL : 0.0;
+    midR += mid ? eR : 0.0;
+    midL += mid ? eL : 0.0;
+    count += mid ? 1.0 : 0.0;
+  };
+  int64_t i = i0;
+  for (; i + kLanes <= i1; i += kLanes) add(load_lanes(x, i, sign));
+  if (i < i1) {  // the last scores, the absent lanes NaN (counted nowhere)
+    F64x4 s = F64x4{} + NAN;
+    for (int l = 0; i + l < i1; ++l) s[l] = sign * static_cast<double>(x[i + l]);
+    add(s);
+  }
+  return BracketSums{lane_sum(h), lane_sum(SR), lane_sum(SL), lane_sum(midR), lane_sum(midL),
+                     static_cast<int64_t>(lane_sum(count))};
+}
+
+// §1.2: propose a bracket from the noised systematic sample, certify it in one pass, then gather
+// and sort the middle set and solve on it with the tails folded in; widen on failure (the
+// failed side tells where b is), then fall back to the radix bracket.
 template <typename scalar_t>
 RowSolution solve_bracket(const Row<scalar_t>& row, int64_t row_index, int64_t finite, double k,
                           double t) {
@@ -149,7 +193,7 @@ RowSolution solve_bracket(const Row<scalar_t>& row, int64_t row_index, int64_t f
   y.reserve(g.count);
   for (int64_t s = 0; s < g.count; ++s) {
     const double v = row(g.offset + s * g.stride);
-    if (std::isfinite(v)) y.push_back(v + t * laplace_noise(static_cast<uint32_t>(s)));
+    if (std::isfinite(v)) y.push_back(v + t * sample_noise(s));
   }
   const int64_t m = static_cast<int64_t>(y.size());
   // The i-th smallest noised sample: a selection, not a sort (a try needs two of the
@@ -158,6 +202,7 @@ RowSolution solve_bracket(const Row<scalar_t>& row, int64_t row_index, int64_t f
     std::nth_element(y.begin(), y.begin() + i, y.end());
     return y[i];
   };
+  const GapExp ex(t);
   double known_lo = -INFINITY, known_hi = INFINITY;  // b >= known_lo, b < known_hi
   int64_t middle = 0;
   int tries = 0;  // certification passes made
@@ -169,25 +214,10 @@ RowSolution solve_bracket(const Row<scalar_t>& row, int64_t row_index, int64_t f
     if (!(aL < aR)) continue;  // what earlier tries learnt leaves no room: widen
     const int64_t cap = middle_capacity(finite, m, il, iu);
     ++tries;
-    auto parts = over_parts<BracketPass>(row.n, BracketPass{}, [&](int64_t i0, int64_t i1,
-                                                                   BracketPass& q) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const double s = row(i);
-        if (!std::isfinite(s)) continue;
-        if (s >= aR) {
-          q.h += 1.0;
-          q.SR += std::exp((aR - s) / t);
-        } else if (s < aL) {
-          q.SL += std::exp((s - aL) / t);
-        } else {
-          q.midR += std::exp((s - aR) / t);
-          q.midL += std::exp((aL - s) / t);
-          if (q.count++ < cap) q.mid.push_back(s);
-        }
-      }
-    });
-    BracketPass tot;
-    for (const BracketPass& q : parts) {
+    BracketSums tot;
+    for (const BracketSums& q : over_parts<BracketSums>(row.n, BracketSums{}, [&](int64_t i0, int64_t i1, BracketSums& q) {
+           q = bracket_sums(row.p, i0, i1, row.sign, aL, aR, ex);
+         })) {
       tot.h += q.h; tot.SR += q.SR; tot.SL += q.SL;
       tot.midR += q.midR; tot.midL += q.midL; tot.count += q.count;
     }
@@ -201,7 +231,14 @@ RowSolution solve_bracket(const Row<scalar_t>& row, int64_t row_index, int64_t f
     if (tot.count > cap) break;  // certified but too wide to gather: ties, go exact
     std::vector<double> mid;
     mid.reserve(tot.count);
-    for (const BracketPass& q : parts) mid.insert(mid.end(), q.mid.begin(), q.mid.end());
+    for (const std::vector<double>& q : over_parts<std::vector<double>>(row.n, {}, [&](int64_t i0, int64_t i1,
+                                                                                     std::vector<double>& q) {
+           for (int64_t i = i0; i < i1; ++i) {
+             const double s = row(i);
+             if (std::isfinite(s) && s >= aL && s < aR) q.push_back(s);
+           }
+         }))
+      mid.insert(mid.end(), q.begin(), q.end());
     std::sort(mid.begin(), mid.end(), std::greater<double>());
     std::vector<double> scratch(mid.size() + 1);
     const ScanResult r = scan_atoms([&](int64_t i) { return point_atom(mid[i]); },
