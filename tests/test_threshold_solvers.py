@@ -291,6 +291,42 @@ def test_constant_row_falls_back_to_radix(device, k):
     assert abs(bt - bs) <= (1e-12 * (1 + abs(bs)) if device == "cpu" else 1e-6), (bt, bs)
 
 
+def first_bracket(y, n, k):
+    """The first attempt's bracket ends (bracket_rule.h bracket_indices) over the noised sample y."""
+    m, q = len(y), (n - k) / n
+    half = BRACKET_Z * math.sqrt(m * q * (1 - q)) + 2
+    lo, hi = math.floor(q * m - half), math.ceil(q * m + half)
+    y = np.sort(y)
+    return (-INF if lo < 0 else y[lo]), (INF if hi >= m else y[hi])
+
+
+def laplace_noise(s):
+    """lapsum_math.h laplace_noise of sample slot s."""
+    u = (mix32((s * 2654435761 + 0x9E3779B9) & M32) + 0.5) / 4294967296.0
+    return math.log(2 * u) if u < 0.5 else -math.log(2 * (1 - u))
+
+
+def test_middle_wider_than_a_part_gather(device):
+    """A periodic row: its sampled phase at -10, every other score inside the first bracket
+    that this sample gives, with a small k. That middle set holds nearly the whole row, more
+    than the bracket's capacity in each ~2^15-score part, which the CPU's certification pass
+    stops gathering (it then widens upwards or falls back). Whatever path follows, b is the
+    sort solver's."""
+    n, k, t = 1 << 20, 1000.0, 1.0
+    _, stride, offset, count = sample_geometry(n, 0)
+    aL, aR = first_bracket([-10.0 + t * laplace_noise(s) for s in range(count)], n, k)
+    assert math.isfinite(aL) and aL < aR
+    hi = aR if math.isfinite(aR) else aL + t
+    x = aL + (hi - aL) * torch.rand(n, generator=gen(3), dtype=torch.float64) * 0.999
+    x[offset::stride] = -10.0
+    x = x.to(device)
+    info = fl.lapsum_diagnostics(x, k, t, method="bracket")
+    assert info.path.item() in (fl.PATH_BRACKET_RETRY, fl.PATH_RADIX), fl.PATH_NAMES[info.path.item()]
+    bt = fl.lapsum_threshold(x, k, t, method="bracket").item()
+    bs = fl.lapsum_threshold(x, k, t, method="sort").item()
+    assert abs(bt - bs) <= (1e-12 * (1 + abs(bs)) if device == "cpu" else 1e-6), (bt, bs)
+
+
 def test_constant_row_with_infinities_radix(device):
     n = 100000
     x = torch.full((n,), 2.0, dtype=torch.float64)

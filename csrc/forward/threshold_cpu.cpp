@@ -144,42 +144,59 @@ double sample_noise(int64_t slot) {
   return slot < static_cast<int64_t>(table.size()) ? table[slot] : laplace_noise(static_cast<uint32_t>(slot));
 }
 
-// A certification pass's sums over one part of a row (§1.2): h = #{s >= aR}, SR = sum e^{(aR-s)/t}
-// over those, SL = sum e^{(s-aL)/t} over s < aL, and over the middle aL <= s < aR its count,
-// midR = sum e^{(s-aR)/t} and midL = sum e^{(aL-s)/t}. Both ends' e^{-|s-a|/t} are taken for
-// every score and selected (branch-free, four lanes); non-finite scores count nowhere.
+// A certification pass over one part of a row (§1.2): h = #{s >= aR}, SR = sum e^{(aR-s)/t}
+// over those, SL = sum e^{(s-aL)/t} over s < aL, and over the middle aL <= s < aR its count and
+// midR = sum e^{(s-aR)/t}; the middle's scores gathered into `mid` while it holds fewer than
+// `cap` (midL = sum e^{(aL-s)/t} is taken from them, middle_left). One exponential a score, to
+// the end that its sums need (branch-free, four lanes); non-finite scores count nowhere.
 struct BracketSums {
-  double h = 0, SR = 0, SL = 0, midR = 0, midL = 0;
+  double h = 0, SR = 0, SL = 0, midR = 0;
   int64_t count = 0;
+  std::vector<double> mid;
 };
 
 template <typename scalar_t>
-FLS_CPU_CLONES BracketSums bracket_sums(const scalar_t* x, int64_t i0, int64_t i1, double sign, double aL,
-                                        double aR, GapExp ex) {
-  F64x4 h{}, SR{}, SL{}, midR{}, midL{}, count{};
-  // inlined (a vector passed by value to a function built for another ISA changes the ABI)
-  const auto add = [&](const F64x4& s) __attribute__((always_inline)) {
+FLS_CPU_CLONES void bracket_sums(const scalar_t* x, int64_t i0, int64_t i1, double sign, double aL, double aR,
+                                 GapExp ex, int64_t cap, BracketSums& out) {
+  F64x4 h{}, SR{}, SL{}, midR{}, count{};
+  for (int64_t i = i0; i < i1; i += kLanes) {
+    F64x4 s;
+    if (i + kLanes <= i1) {
+      s = load_lanes(x, i, sign);
+    } else {  // the last scores, the absent lanes NaN (counted nowhere)
+      s = F64x4{} + NAN;
+      for (int l = 0; i + l < i1; ++l) s[l] = sign * static_cast<double>(x[i + l]);
+    }
     const I64x4 finite = s - s == 0.0, above = finite & (s >= aR), below = finite & (s < aL),
                 mid = finite & ~above & ~below;
-    const F64x4 dR = s - aR, dL = s - aL;
-    const F64x4 eR = exp_nonpos((dR < 0.0 ? dR : -dR) * ex.scale * ex.inv_ts);
-    const F64x4 eL = exp_nonpos((dL < 0.0 ? dL : -dL) * ex.scale * ex.inv_ts);
+    const F64x4 e = exp_nonpos((below ? s - aL : (above ? aR - s : s - aR)) * ex.scale * ex.inv_ts);
     h += above ? 1.0 : 0.0;
-    SR += above ? eR : 0.0;
-    SL += below ? eL : 0.0;
-    midR += mid ? eR : 0.0;
-    midL += mid ? eL : 0.0;
+    SR += above ? e : 0.0;
+    SL += below ? e : 0.0;
+    midR += mid ? e : 0.0;
     count += mid ? 1.0 : 0.0;
-  };
-  int64_t i = i0;
-  for (; i + kLanes <= i1; i += kLanes) add(load_lanes(x, i, sign));
-  if (i < i1) {  // the last scores, the absent lanes NaN (counted nowhere)
-    F64x4 s = F64x4{} + NAN;
-    for (int l = 0; i + l < i1; ++l) s[l] = sign * static_cast<double>(x[i + l]);
-    add(s);
+    for (int l = 0; l < kLanes; ++l)
+      if (mid[l] && static_cast<int64_t>(out.mid.size()) < cap) out.mid.push_back(s[l]);
   }
-  return BracketSums{lane_sum(h), lane_sum(SR), lane_sum(SL), lane_sum(midR), lane_sum(midL),
-                     static_cast<int64_t>(lane_sum(count))};
+  out.h = lane_sum(h);
+  out.SR = lane_sum(SR);
+  out.SL = lane_sum(SL);
+  out.midR = lane_sum(midR);
+  out.count = static_cast<int64_t>(lane_sum(count));
+}
+
+// midL of the gathered middle scores [p, p + len).
+FLS_CPU_CLONES double middle_left(const double* p, int64_t len, double aL, GapExp ex) {
+  F64x4 sum{};
+  for (int64_t i = 0; i < len; i += kLanes) {
+    F64x4 s = F64x4{} + aL;
+    for (int l = 0; l < kLanes && i + l < len; ++l) s[l] = p[i + l];
+    F64x4 e = exp_nonpos((aL - s) * ex.scale * ex.inv_ts);
+    for (int l = 0; l < kLanes; ++l)
+      if (i + l >= len) e[l] = 0.0;  // absent lanes
+    sum += e;
+  }
+  return lane_sum(sum);
 }
 
 // §1.2: propose a bracket from the noised systematic sample, certify it in one pass, then gather
@@ -214,31 +231,36 @@ RowSolution solve_bracket(const Row<scalar_t>& row, int64_t row_index, int64_t f
     if (!(aL < aR)) continue;  // what earlier tries learnt leaves no room: widen
     const int64_t cap = middle_capacity(finite, m, il, iu);
     ++tries;
+    const auto parts = over_parts<BracketSums>(row.n, BracketSums{}, [&](int64_t i0, int64_t i1, BracketSums& q) {
+      bracket_sums(row.p, i0, i1, row.sign, aL, aR, ex, cap, q);
+    });
     BracketSums tot;
-    for (const BracketSums& q : over_parts<BracketSums>(row.n, BracketSums{}, [&](int64_t i0, int64_t i1, BracketSums& q) {
-           q = bracket_sums(row.p, i0, i1, row.sign, aL, aR, ex);
-         })) {
+    for (const BracketSums& q : parts) {
       tot.h += q.h; tot.SR += q.SR; tot.SL += q.SL;
-      tot.midR += q.midR; tot.midL += q.midL; tot.count += q.count;
+      tot.midR += q.midR; tot.count += q.count;
     }
     middle = tot.count;
     const double G = std::isfinite(aL) && std::isfinite(aR) ? std::exp((aL - aR) / t) : 0.0;
     const double psiR = tot.h - 0.5 * tot.SR + 0.5 * tot.midR + 0.5 * tot.SL * G;
-    const double psiL = tot.h + tot.count - 0.5 * tot.SR * G - 0.5 * tot.midL + 0.5 * tot.SL;
+    const bool gathered = std::all_of(parts.begin(), parts.end(), [](const BracketSums& q) {
+      return static_cast<int64_t>(q.mid.size()) == q.count;
+    });
+    if (!gathered) {  // a part's middle outgrew the gather, so count > cap: widen only where b lies above
+      if (psiR > k) {
+        known_lo = std::max(known_lo, aR);
+        continue;
+      }
+      break;  // the exact fallback
+    }
+    std::vector<double> mid;
+    mid.reserve(tot.count);
+    for (const BracketSums& q : parts) mid.insert(mid.end(), q.mid.begin(), q.mid.end());
+    const double midL = middle_left(mid.data(), static_cast<int64_t>(mid.size()), aL, ex);
+    const double psiL = tot.h + tot.count - 0.5 * tot.SR * G - 0.5 * midL + 0.5 * tot.SL;
     if (psiR > k) known_lo = std::max(known_lo, aR);  // b lies above the bracket
     if (psiL < k) known_hi = std::min(known_hi, aL);  // b lies below it
     if (psiR > k || psiL < k) continue;
     if (tot.count > cap) break;  // certified but too wide to gather: ties, go exact
-    std::vector<double> mid;
-    mid.reserve(tot.count);
-    for (const std::vector<double>& q : over_parts<std::vector<double>>(row.n, {}, [&](int64_t i0, int64_t i1,
-                                                                                     std::vector<double>& q) {
-           for (int64_t i = i0; i < i1; ++i) {
-             const double s = row(i);
-             if (std::isfinite(s) && s >= aL && s < aR) q.push_back(s);
-           }
-         }))
-      mid.insert(mid.end(), q.begin(), q.end());
     std::sort(mid.begin(), mid.end(), std::greater<double>());
     std::vector<double> scratch(mid.size() + 1);
     const ScanResult r = scan_atoms([&](int64_t i) { return point_atom(mid[i]); },
