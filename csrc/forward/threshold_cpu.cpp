@@ -38,16 +38,28 @@ struct Counts {
   int64_t nan = 0, pinf = 0, ninf = 0;
 };
 
+// The non-finite scores of [i0, i1) of a row, on four lanes.
+template <typename scalar_t>
+FLS_CPU_CLONES Counts count_part(const scalar_t* x, int64_t i0, int64_t i1, double sign) {
+  F64x4 nan{}, pinf{}, ninf{};
+  for (int64_t i = i0; i < i1; i += kLanes) {
+    F64x4 s{};  // absent lanes 0: finite
+    if (i + kLanes <= i1) s = load_lanes(x, i, sign);
+    else
+      for (int l = 0; i + l < i1; ++l) s[l] = sign * static_cast<double>(x[i + l]);
+    nan += s != s ? 1.0 : 0.0;
+    pinf += s == INFINITY ? 1.0 : 0.0;
+    ninf += s == -INFINITY ? 1.0 : 0.0;
+  }
+  return Counts{static_cast<int64_t>(lane_sum(nan)), static_cast<int64_t>(lane_sum(pinf)),
+                static_cast<int64_t>(lane_sum(ninf))};
+}
+
 template <typename scalar_t>
 Counts count_nonfinite(const Row<scalar_t>& row) {
   Counts total;
   for (const Counts& c : over_parts<Counts>(row.n, Counts{}, [&](int64_t i0, int64_t i1, Counts& c) {
-         for (int64_t i = i0; i < i1; ++i) {
-           const double s = row(i);
-           if (std::isnan(s)) ++c.nan;
-           else if (s == INFINITY) ++c.pinf;
-           else if (s == -INFINITY) ++c.ninf;
-         }
+         c = count_part(row.p, i0, i1, row.sign);
        })) {
     total.nan += c.nan; total.pinf += c.pinf; total.ninf += c.ninf;
   }
@@ -214,9 +226,18 @@ RowSolution solve_bracket(const Row<scalar_t>& row, int64_t row_index, int64_t f
   }
   const int64_t m = static_cast<int64_t>(y.size());
   // The i-th smallest noised sample: a selection, not a sort (a try needs two of the
-  // sample's order statistics, and the sample is up to ~65536 scores).
+  // sample's order statistics, and the sample is up to ~65536 scores). Each selection leaves y
+  // partitioned about its index, so the next selects only between the nearest two chosen.
+  std::vector<int64_t> chosen;
   const auto order_stat = [&](int64_t i) {
-    std::nth_element(y.begin(), y.begin() + i, y.end());
+    int64_t lo = 0, hi = m;
+    for (const int64_t c : chosen) {
+      if (c == i) return y[i];
+      if (c < i) lo = std::max(lo, c + 1);
+      else hi = std::min(hi, c);
+    }
+    std::nth_element(y.begin() + lo, y.begin() + i, y.begin() + hi);
+    chosen.push_back(i);
     return y[i];
   };
   const GapExp ex(t);
