@@ -110,12 +110,14 @@ FLS_CPU_CLONES VjpSums sums_part(const VjpRow<scalar_t>& row, int64_t i0, int64_
   return s;
 }
 
-// d L / d x_i = sign * v.grad_score(wh_i, g_i, d_i, a_i) over [i0, i1) (RowVjp, vjp_math.h).
+// d L / d x_i = sign * v.grad_score(wh_i, g_i, d_i, a_i) over [i0, i1) (RowVjp, vjp_math.h);
+// gradients narrower than fp64 take the shorter polynomial (the row's sums keep fp64's).
 template <typename scalar_t>
 FLS_CPU_CLONES void apply_part(const VjpRow<scalar_t>& row, const RowVjp& v, int64_t i0, int64_t i1, scalar_t* out) {
+  constexpr int kDegree = std::is_same_v<scalar_t, double> ? kExpDegreeF64 : kExpDegreeF32;
   for (int64_t i = i0; i < i1; i += kLanes) {
     const TermLanes e = term_lanes(row, i, i1);
-    const F64x4 wh = 0.5 * exp_nonpos((v.m - e.a) * row.inv_t);
+    const F64x4 wh = 0.5 * exp_nonpos<kDegree>((v.m - e.a) * row.inv_t);
     F64x4 grad;
     if (!v.log_mode) grad = wh * (e.g * v.c - v.K);
     else grad = e.d > 0.0 ? wh * (e.g * v.c / (1.0 - wh * v.E) - v.K) : e.g * v.inv_t - wh * v.K;
