@@ -91,12 +91,7 @@ FLS_CPU_CLONES VjpSums sums_part(const VjpRow<scalar_t>& row, int64_t i0, int64_
   for (int64_t i = i0; i < i1; i += kLanes) {
     const TermLanes e = term_lanes(row, i, i1);
     const F64x4 wh = 0.5 * exp_nonpos((m - e.a) * row.inv_t), dd = e.weighted ? e.d - dref : 0.0;
-    tw += wh;
-    twd += wh * dd;
-    G += e.gw * wh;
-    Gd += e.gw * wh * dd;
-    Ga += e.ga;
-    Gad += e.ga * dd;
+    accumulate_term(tw, twd, G, Gd, Ga, Gad, wh, dd, e.gw, e.ga);
   }
   VjpSums s;
   s.m = m;

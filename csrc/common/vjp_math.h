@@ -47,6 +47,20 @@ FLS_HD VjpTerm vjp_term(double s, double b, double inv_t, double g, bool log_mod
 // twd = sum wh (d - dref), Gd = sum gw wh (d - dref); absolute Ga = sum ga,
 // Gad = sum ga (d - dref). add / merge rescale the side with the larger m (online, as
 // online softmax does), so one pass suffices; ex(x) = e^{-x}.
+// One weighted element into the six running sums of VjpSums: wh its weight about the row's
+// nearest, dd = d - dref; T is a double or the CPU's lanes (vjp_cpu.cpp: by reference, so that
+// an uninlined call passes no vector between builds for different ISAs).
+template <typename T>
+FLS_HD void accumulate_term(T& tw, T& twd, T& G, T& Gd, T& Ga, T& Gad, const T& wh, const T& dd, const T& gw,
+                            const T& ga) {
+  tw += wh;
+  twd += wh * dd;
+  G += gw * wh;
+  Gd += gw * wh * dd;
+  Ga += ga;
+  Gad += ga * dd;
+}
+
 struct VjpSums {
   double m = INFINITY, dref = 0;
   double tw = 0, G = 0, twd = 0, Gd = 0, Ga = 0, Gad = 0;
@@ -66,12 +80,7 @@ struct VjpSums {
     if (!(e.a <= 1.7976931348623157e308)) return;
     if (e.a < m) rebase(e.a, e.d, ex((m - e.a) * inv_t));
     const double wh = 0.5 * ex((e.a - m) * inv_t), dd = e.d - dref;
-    tw += wh;
-    twd += wh * dd;
-    G += e.gw * wh;
-    Gd += e.gw * wh * dd;
-    Ga += e.ga;
-    Gad += e.ga * dd;
+    accumulate_term(tw, twd, G, Gd, Ga, Gad, wh, dd, e.gw, e.ga);
   }
   template <typename Exp = ExpNegF64>
   FLS_HD void merge(const VjpSums& o, double inv_t, Exp ex = Exp{}) {
