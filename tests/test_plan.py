@@ -26,9 +26,9 @@ def cell(device, *args):
 
 # (device, n, method, regime); a dict regime is by dtype (float64's warp rows end at 512)
 SOFT_CELLS = [
-    cell("cpu", 100, "auto", "cpu-sort"),
-    cell("cpu", 256, "auto", "cpu-sort"),
-    cell("cpu", 257, "auto", "cpu-bracket"),
+    cell("cpu", 300, "auto", "cpu-sort"),
+    cell("cpu", 1536, "auto", "cpu-sort"),
+    cell("cpu", 1537, "auto", "cpu-bracket"),
     cell("cpu", 5000, "sort", "cpu-sort"),
     cell("cpu", 5000, "auto", "cpu-bracket"),
     cell("cpu", 300, "bracket", "cpu-bracket"),
