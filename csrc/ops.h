@@ -25,8 +25,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cpu(const at::Te
 at::Tensor lapsum_mask_cpu(const at::Tensor& x, const at::Tensor& b, const at::Tensor& t,
                            const at::Tensor& edge, bool largest, bool log_mode);
 // hard=true mask: exactly k_r ones per row (smaller index wins ties); a NaN row where
-// b_r is NaN or k_r is not an integer in [0, n].
-at::Tensor hard_mask_cpu(const at::Tensor& x, const at::Tensor& k, const at::Tensor& b, bool largest);
+// b_r is NaN or k_r is not an integer in [0, n]. kth (optional, float64 [rows]): the row's
+// k_r-th largest finite score (times -1 for largest=false) where known, NaN where the mask
+// must select it.
+at::Tensor hard_mask_cpu(const at::Tensor& x, const at::Tensor& k, const at::Tensor& b, bool largest,
+                         const at::Tensor* kth = nullptr);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_forward_cpu(
     const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest, int64_t method,
     int64_t mode, int64_t k_max);

@@ -61,21 +61,25 @@ def t_ones(rows, device):
     return torch.ones(rows, dtype=torch.float64, device=device)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.01])
 @pytest.mark.parametrize("largest", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,n", SHAPES)
-def test_mask_is_topk_selection(device, rows, n, dtype, largest):
+def test_mask_is_topk_selection(device, rows, n, dtype, largest, temperature):
+    """t = 0.01 puts the k-th score among those the CPU's solve orders (its sort, the bracket's
+    middle set), whose order the mask then reuses instead of selecting again."""
     x = scores(rows, n, dtype, device, seed=n + rows)
     k = budgets(rows, n, seed=n).to(device)
-    p, b, _ = op(x, k, t_ones(rows, device), largest)
+    tt = t_ones(rows, device) * temperature
+    p, b, _ = op(x, k, tt, largest)
     assert p.dtype == dtype and p.shape == x.shape
     torch.testing.assert_close(p, topk_mask(x, k, largest), rtol=0, atol=0)
     assert torch.equal(p.double().sum(1), k)
     # b is the threshold op's (solved for the backward)
-    b_ref = torch.ops.fastlapsum.lapsum_threshold(x, k, t_ones(rows, device), largest, 0)[0]
+    b_ref = torch.ops.fastlapsum.lapsum_threshold(x, k, tt, largest, 0)[0]
     torch.testing.assert_close(b, b_ref, rtol=0, atol=0, equal_nan=True)
     if device == "cuda":
-        pc = op(x.cpu(), k.cpu(), t_ones(rows, "cpu"), largest)[0]
+        pc = op(x.cpu(), k.cpu(), tt.cpu(), largest)[0]
         torch.testing.assert_close(p.cpu(), pc, rtol=0, atol=0)
 
 

@@ -75,27 +75,42 @@ at::Tensor lapsum_mask_cpu(const at::Tensor& x_in, const at::Tensor& b_in, const
 }
 
 at::Tensor hard_mask_cpu(const at::Tensor& x_in, const at::Tensor& k_in, const at::Tensor& b_in,
-                         bool largest) {
+                         bool largest, const at::Tensor* kth_in) {
   const at::Tensor x = x_in.contiguous(), k = k_in.contiguous(), b = b_in.contiguous();
   const int64_t rows = x.size(0), n = x.size(1);
+  const double sign = largest ? 1.0 : -1.0;
   at::Tensor p = at::empty_like(x);  // each row written once below: no fill, no masked_fill pass
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "hard_mask", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const double* kp = k.const_data_ptr<double>();
     const double* bp = b.const_data_ptr<double>();
+    const double* kthp = kth_in ? kth_in->const_data_ptr<double>() : nullptr;
     scalar_t* pp = p.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, rows, rows_grain(n), [&](int64_t r0, int64_t r1) {
       std::vector<int64_t> idx;
       for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* row = xp + r * n;
         scalar_t* row_out = pp + r * n;
         const double kr = kp[r];
         if (std::isnan(bp[r]) || !(kr >= 0 && kr <= n) || kr != std::nearbyint(kr)) {
           std::fill(row_out, row_out + n, static_cast<scalar_t>(NAN));
           continue;
         }
+        const double v = kthp ? kthp[r] : NAN;
+        if (!std::isnan(v)) {  // the k-th score known: every score above it, then its first ties
+          int64_t above = 0;
+          for (int64_t i = 0; i < n; ++i) above += sign * static_cast<double>(row[i]) > v;
+          int64_t ties = static_cast<int64_t>(kr) - above;
+          for (int64_t i = 0; i < n; ++i) {
+            const double s = sign * static_cast<double>(row[i]);
+            const bool take = s > v || (s == v && ties-- > 0);
+            row_out[i] = static_cast<scalar_t>(take ? 1 : 0);
+          }
+          continue;
+        }
         std::fill(row_out, row_out + n, static_cast<scalar_t>(0));
         idx.resize(static_cast<int64_t>(kr));
-        select_top_indices(xp + r * n, n, static_cast<int64_t>(kr), largest, false, idx.data());
+        select_top_indices(row, n, static_cast<int64_t>(kr), largest, false, idx.data());
         for (int64_t i : idx) row_out[i] = static_cast<scalar_t>(1);
       }
     });

@@ -32,7 +32,16 @@ struct RowSolution {
   int64_t path;
   int64_t middle;
   int64_t attempts;
+  double kth = NAN;  // the kf-th largest finite score where the solve ordered it (kf integral), else NaN
 };
+
+// The kf-th largest of the scores `sorted` (descending) that rank below the `above` others, or
+// NaN where kf is not an integer or that score is not among them.
+double kth_of(const std::vector<double>& sorted, double above, double kf) {
+  const double j = kf - above;  // 1-based rank among the sorted
+  if (kf != std::nearbyint(kf) || !(j >= 1.0) || j > static_cast<double>(sorted.size())) return NAN;
+  return sorted[static_cast<size_t>(j) - 1];
+}
 
 struct Counts {
   int64_t nan = 0, pinf = 0, ninf = 0;
@@ -68,7 +77,7 @@ Counts count_nonfinite(const Row<scalar_t>& row) {
 
 // §1.1: sort the finite scores and scan them as point atoms.
 template <typename scalar_t>
-double solve_sort(const Row<scalar_t>& row, int64_t finite, double k, double t) {
+double solve_sort(const Row<scalar_t>& row, int64_t finite, double k, double t, double* kth) {
   std::vector<double> s;
   s.reserve(finite);
   for (int64_t i = 0; i < row.n; ++i) {
@@ -80,6 +89,7 @@ double solve_sort(const Row<scalar_t>& row, int64_t finite, double k, double t) 
   const ScanResult r = scan_atoms([&](int64_t i) { return point_atom(s[i]); },
                                   static_cast<int64_t>(s.size()), Tail{0.0, 0.0, INFINITY},
                                   Tail{0.0, 0.0, -INFINITY}, k, t, scratch.data());
+  *kth = kth_of(s, 0.0, k);
   return r.b;
 }
 
@@ -287,7 +297,8 @@ RowSolution solve_bracket(const Row<scalar_t>& row, int64_t row_index, int64_t f
     const ScanResult r = scan_atoms([&](int64_t i) { return point_atom(mid[i]); },
                                     static_cast<int64_t>(mid.size()), Tail{tot.h, tot.SR, aR},
                                     Tail{0.0, tot.SL, aL}, k, t, scratch.data());
-    return RowSolution{r.b, 1.0, tries == 1 ? kPathBracket : kPathBracketRetry, middle, tries};
+    return RowSolution{r.b, 1.0, tries == 1 ? kPathBracket : kPathBracketRetry, middle, tries,
+                       kth_of(mid, tot.h, k)};
   }
   return RowSolution{solve_radix(row, k, t), 1.0, kPathRadix, middle, tries};
 }
@@ -305,7 +316,39 @@ RowSolution solve_row(const Row<scalar_t>& row, int64_t row_index, double k, dou
   if (!plan_sorts(row.n, method, kAutoSortMaxNCpu)) return solve_bracket(row, row_index, finite, kf, t);
   const double gap = solve_outer_gap(row, finite, kf, t);
   if (!std::isnan(gap)) return RowSolution{gap, 1.0, kPathOuterGap, 0, 0};
-  return RowSolution{solve_sort(row, finite, kf, t), 1.0, kPathSort, finite, 0};
+  double kth;
+  const double b_sort = solve_sort(row, finite, kf, t, &kth);
+  return RowSolution{b_sort, 1.0, kPathSort, finite, 0, kth};
+}
+
+}  // namespace
+
+namespace {
+
+// Every row's threshold into io (b, edge, diag); kth (rows values, or nullptr) gets each row's
+// k-th largest score where its solve ordered it (NaN elsewhere), for the straight-through mask.
+void solve_rows(ThresholdIO& io, bool largest, int64_t method, double* kth) {
+  const int64_t rows = io.x.size(0), n = io.x.size(1);
+  const double sign = largest ? 1.0 : -1.0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, io.x.scalar_type(), "lapsum_threshold", [&] {
+    const scalar_t* xp = io.x.const_data_ptr<scalar_t>();
+    const double* kp = io.k.const_data_ptr<double>();
+    const double* tp = io.t.const_data_ptr<double>();
+    double* bp = io.b.mutable_data_ptr<double>();
+    double* ep = io.edge.mutable_data_ptr<double>();
+    int64_t* dp = io.diag.mutable_data_ptr<int64_t>();
+    at::parallel_for(0, rows, rows_grain(n), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const RowSolution s = solve_row(Row<scalar_t>{xp + r * n, n, sign}, r, kp[r], tp[r], method);
+        bp[r] = sign * s.b;
+        ep[r] = s.edge;
+        dp[3 * r] = s.path;
+        dp[3 * r + 1] = s.middle;
+        dp[3 * r + 2] = s.attempts;
+        if (kth) kth[r] = s.kth;
+      }
+    });
+  });
 }
 
 }  // namespace
@@ -315,44 +358,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lapsum_threshold_cpu(const at::Te
                                                                     const at::Tensor& t_in,
                                                                     bool largest, int64_t method) {
   ThresholdIO io = threshold_io(x_in, k_in, t_in, method);
-  // plain references, not a structured binding: lambdas below capture them (C++17 builds)
-  const at::Tensor &x = io.x, &k = io.k, &t = io.t;
-  at::Tensor &b = io.b, &edge = io.edge, &diag = io.diag;
-  const int64_t rows = x.size(0), n = x.size(1);
-  const double sign = largest ? 1.0 : -1.0;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "lapsum_threshold", [&] {
-    const scalar_t* xp = x.const_data_ptr<scalar_t>();
-    const double* kp = k.const_data_ptr<double>();
-    const double* tp = t.const_data_ptr<double>();
-    double* bp = b.mutable_data_ptr<double>();
-    double* ep = edge.mutable_data_ptr<double>();
-    int64_t* dp = diag.mutable_data_ptr<int64_t>();
-    at::parallel_for(0, rows, rows_grain(n), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const RowSolution s = solve_row(Row<scalar_t>{xp + r * n, n, sign}, r, kp[r], tp[r], method);
-        bp[r] = sign * s.b;
-        ep[r] = s.edge;
-        dp[3 * r] = s.path;
-        dp[3 * r + 1] = s.middle;
-        dp[3 * r + 2] = s.attempts;
-      }
-    });
-  });
-  return {b, edge, diag};
+  solve_rows(io, largest, method, nullptr);
+  return {io.b, io.edge, io.diag};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> soft_topk_forward_cpu(
     const at::Tensor& x, const at::Tensor& k, const at::Tensor& t, bool largest, int64_t method,
     int64_t mode, int64_t /*k_max: the CPU mask needs no plan*/) {
   TORCH_CHECK(mode >= kModeSoft && mode <= kModeHard, "fastlapsum: mode must be 0 (soft), 1 (log) or 2 (hard)");
-  auto [b, edge, diag] = lapsum_threshold_cpu(x, k, t, largest, method);
+  ThresholdIO io = threshold_io(x, k, t, method);
   at::Tensor p;
   if (mode == kModeHard) {
-    p = hard_mask_cpu(x, k, b, largest);  // a NaN row stays NaN; otherwise exactly k ones
+    // the solve's own order gives most rows' k-th score: the mask needs no second selection there
+    at::Tensor kth = at::empty({io.x.size(0)}, io.b.options());
+    solve_rows(io, largest, method, kth.mutable_data_ptr<double>());
+    p = hard_mask_cpu(io.x, io.k, io.b, largest, &kth);  // a NaN row stays NaN; otherwise exactly k ones
   } else {
-    p = lapsum_mask_cpu(x, b, t, edge, largest, mode == kModeLog);
+    solve_rows(io, largest, method, nullptr);
+    p = lapsum_mask_cpu(io.x, io.b, io.t, io.edge, largest, mode == kModeLog);
   }
-  return {p, b, diag};
+  return {p, io.b, io.diag};
 }
 
 }  // namespace fastlapsum
