@@ -329,3 +329,39 @@ def check_against_oracle(x, k, t, kinds, largest):
 def same_or_close(a, b, rtol, atol):
     """Elementwise: equal (infinities, NaN included) or within atol + rtol |b|."""
     return bool(((a == b) | (a.isnan() & b.isnan()) | ((a - b).abs() <= atol + rtol * b.abs())).all())
+
+
+def vjp_same_precision(op, up, x, b, t, largest):
+    """(grad_k, grad_t) of the closed-form backward (DESIGN §1.3) evaluated in float32 from the
+    exact threshold b: what a same-precision PyTorch implementation gets. Finite rows only.
+    op is "soft", "log" or "threshold"; up the upstream gradient."""
+    w = torch.float32
+    sign = 1.0 if largest else -1.0
+    assert torch.isfinite(x).all() and torch.isfinite(b).all()
+    d = (x.double() * sign - (b * sign)[:, None]).to(w)
+    tw = t.to(w)
+    a = (d / tw[:, None]).abs()
+    e = torch.exp(a.amin(1, keepdim=True) - a)
+    share = e / e.sum(1, keepdim=True)
+    f = 0.5 * torch.exp(-a)
+    W = f.sum(1)
+    g = up.to(w)
+    if op == "threshold":
+        return -sign * g * tw / W, -sign * g * (share * d).sum(1) / tw
+    if op == "log":
+        G = g * torch.where(d <= 0, 1.0, 2 * f / (2 - 2 * f))
+        SG = G.sum(1)
+        return SG / W, -((G * d).sum(1) - SG * (share * d).sum(1)) / (tw * tw)
+    G = g * f
+    ratio = (g * share).sum(1)
+    return ratio, -((G * d).sum(1) - ratio * (f * d).sum(1)) / (tw * tw)
+
+
+def assert_within_same_precision(got, exact, ref, rtol, atol, factor=2.0):
+    """got's relative error against the exact values is at most rtol plus factor times the
+    same-precision reference ref's largest relative error (flash-attention's rule)."""
+    got, exact, ref = (v.double().cpu() for v in (got, exact, ref))
+    scale = exact.abs() + atol
+    ref_err = ((ref - exact).abs() / scale).max().item()
+    err = ((got - exact).abs() / scale).max().item()
+    assert err <= rtol + factor * ref_err, f"error {err:.3e} > {rtol:.1e} + {factor} x reference {ref_err:.3e}"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fastlapsum as fl
-from conftest import requires_cuda
+from conftest import assert_within_same_precision, requires_cuda, vjp_same_precision
 
 F64 = torch.float64
 SIZES = [1, 2, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024, 1025, 4096, 4097, 8192, 8193, 40000, 700_000]
@@ -70,6 +70,13 @@ def _check_against_cpu(x, k, t, g, dtype, op, largest):
     assert (gx.double().cpu() - cx).abs().max().item() <= tol + 1e-300
     g_scale = up.abs().max().item() if op != "threshold" else 1.0
     # the log mask's dL/dk carries e^{m/t}-amplified ratios of fp32-weighted sums
-    rtol, atol = (1e-9, 1e-12) if dtype == torch.float64 else (1e-5 if op == "log" else 2e-6, 1e-6 * g_scale)
-    torch.testing.assert_close(gk.cpu(), ck, rtol=rtol, atol=atol)
-    torch.testing.assert_close(gt.cpu(), ct, rtol=rtol, atol=atol)
+    if dtype == torch.float64:
+        torch.testing.assert_close(gk.cpu(), ck, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(gt.cpu(), ct, rtol=1e-9, atol=1e-12)
+        return
+    # dL/dk and dL/dt are ratios of row sums: a float32 evaluation of the same closed form from
+    # the exact threshold is as far off as its conditioning makes it (DESIGN §1.3)
+    b = fl.lapsum_threshold(x.double(), k, t, largest=largest)
+    rk, rt = vjp_same_precision(op, up, x, b, t, largest)
+    assert_within_same_precision(gk, ck, rk, rtol=2e-6, atol=1e-6 * g_scale)
+    assert_within_same_precision(gt, ct, rt, rtol=2e-6, atol=1e-6 * g_scale)
