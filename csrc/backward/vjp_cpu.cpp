@@ -37,17 +37,8 @@ struct TermLanes {
 
 template <typename scalar_t>
 [[gnu::always_inline]] inline TermLanes term_lanes(const VjpRow<scalar_t>& row, int64_t i, int64_t end) {
-  F64x4 s, g{};
-  if (i + kLanes <= end) {
-    s = load_lanes(row.x, i, row.sign);
-    if (row.g) g = load_lanes(row.g, i, 1.0);
-  } else {
-    s = F64x4{} + NAN;
-    for (int l = 0; i + l < end; ++l) {
-      s[l] = row.sign * static_cast<double>(row.x[i + l]);
-      if (row.g) g[l] = static_cast<double>(row.g[i + l]);
-    }
-  }
+  const F64x4 s = load_lanes_tail(row.x, i, end, row.sign, NAN);  // absent lanes NaN: no term
+  const F64x4 g = row.g ? load_lanes_tail(row.g, i, end, 1.0, 0.0) : F64x4{};
   const F64x4 d = s - row.b;
   const I64x4 weighted = d - d == 0.0;
   const F64x4 a = weighted ? (d < 0.0 ? -d : d) : INFINITY;

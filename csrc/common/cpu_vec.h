@@ -48,6 +48,16 @@ template <typename scalar_t>
                static_cast<double>(p[i + 3])} * sign;
 }
 
+// the scores p[i..end), four or fewer, as fp64 lanes times sign; the absent lanes hold `fill`
+template <typename scalar_t>
+[[gnu::always_inline]] inline F64x4 load_lanes_tail(const scalar_t* p, int64_t i, int64_t end, double sign,
+                                                    double fill) {
+  if (i + kLanes <= end) return load_lanes(p, i, sign);
+  F64x4 s = F64x4{} + fill;
+  for (int l = 0; i + l < end; ++l) s[l] = sign * static_cast<double>(p[i + l]);
+  return s;
+}
+
 [[gnu::always_inline]] inline double lane_sum(F64x4 v) { return (v[0] + v[1]) + (v[2] + v[3]); }
 
 // 1/j! for the Taylor coefficients

@@ -50,7 +50,7 @@ FLS_HD double lapsum_prob(double s, double b, double t, double edge) {
   return laplace_cdf((s - b) / t);
 }
 
-// e^u in fp32 arithmetic for u <= 0 (GPU kernels with fp32/fp16/bf16 scores): the fp64
+// e^u in fp32 arithmetic for u <= 0 (the GPU kernels of fp32/fp16/bf16 scores): the fp64
 // argument is rounded to fp32 and that rounding corrected to first order, so the result
 // carries only expf's own error (<= 2 ulp), at a fraction of an fp64 exp's cost.
 FLS_HD float exp_f(double u) {
@@ -58,11 +58,7 @@ FLS_HD float exp_f(double u) {
   const float uf = static_cast<float>(u);
   const float du = static_cast<float>(u - static_cast<double>(uf));
   const float e = expf(uf);
-#ifdef __CUDA_ARCH__
   return fmaf(e, du, e);  // e^{uf} (1 + du), one rounding
-#else
-  return e + e * du;  // the host's fmaf is a library call without FMA code generation: one rounding more
-#endif
 }
 
 // 1/t for the per-element passes (a multiply, not an fp64 division, per score), capped so

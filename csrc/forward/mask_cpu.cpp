@@ -52,9 +52,9 @@ at::Tensor lapsum_mask_cpu(const at::Tensor& x_in, const at::Tensor& b_in, const
     const double* bp = b.const_data_ptr<double>();
     const double* tp = t.const_data_ptr<double>();
     const double* ep = edge.const_data_ptr<double>();
-    // Chunks of the flattened rows, walked a row segment at a time (the row's b, t and 1/t
-    // read once). A row with an infinite b (its budget held by infinite scores) takes the
-    // scalar formula.
+    // Chunks of the flattened rows, walked a row segment at a time (the row's b, t and edge
+    // read once a segment). A row with an infinite b (its budget held by infinite scores)
+    // takes the scalar formula.
     at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1;) {
         const int64_t r = i / n, end = std::min(i1, (r + 1) * n);

@@ -52,10 +52,7 @@ template <typename scalar_t>
 FLS_CPU_CLONES Counts count_part(const scalar_t* x, int64_t i0, int64_t i1, double sign) {
   F64x4 nan{}, pinf{}, ninf{};
   for (int64_t i = i0; i < i1; i += kLanes) {
-    F64x4 s{};  // absent lanes 0: finite
-    if (i + kLanes <= i1) s = load_lanes(x, i, sign);
-    else
-      for (int l = 0; i + l < i1; ++l) s[l] = sign * static_cast<double>(x[i + l]);
+    const F64x4 s = load_lanes_tail(x, i, i1, sign, 0.0);  // absent lanes 0: finite
     nan += s != s ? 1.0 : 0.0;
     pinf += s == INFINITY ? 1.0 : 0.0;
     ninf += s == -INFINITY ? 1.0 : 0.0;
@@ -182,13 +179,7 @@ FLS_CPU_CLONES void bracket_sums(const scalar_t* x, int64_t i0, int64_t i1, doub
                                  GapExp ex, int64_t cap, BracketSums& out) {
   F64x4 h{}, SR{}, SL{}, midR{}, count{};
   for (int64_t i = i0; i < i1; i += kLanes) {
-    F64x4 s;
-    if (i + kLanes <= i1) {
-      s = load_lanes(x, i, sign);
-    } else {  // the last scores, the absent lanes NaN (counted nowhere)
-      s = F64x4{} + NAN;
-      for (int l = 0; i + l < i1; ++l) s[l] = sign * static_cast<double>(x[i + l]);
-    }
+    const F64x4 s = load_lanes_tail(x, i, i1, sign, NAN);  // absent lanes NaN: counted nowhere
     const I64x4 finite = s - s == 0.0, above = finite & (s >= aR), below = finite & (s < aL),
                 mid = finite & ~above & ~below;
     const F64x4 e = exp_nonpos((below ? s - aL : (above ? aR - s : s - aR)) * ex.scale * ex.inv_ts);
@@ -211,9 +202,7 @@ FLS_CPU_CLONES void bracket_sums(const scalar_t* x, int64_t i0, int64_t i1, doub
 FLS_CPU_CLONES double middle_left(const double* p, int64_t len, double aL, GapExp ex) {
   F64x4 sum{};
   for (int64_t i = 0; i < len; i += kLanes) {
-    F64x4 s = F64x4{} + aL;
-    for (int l = 0; l < kLanes && i + l < len; ++l) s[l] = p[i + l];
-    F64x4 e = exp_nonpos((aL - s) * ex.scale * ex.inv_ts);
+    F64x4 e = exp_nonpos((aL - load_lanes_tail(p, i, len, 1.0, aL)) * ex.scale * ex.inv_ts);
     for (int l = 0; l < kLanes; ++l)
       if (i + l >= len) e[l] = 0.0;  // absent lanes
     sum += e;
