@@ -84,9 +84,7 @@ __global__ void __launch_bounds__(kThreads, 3) vjp_reduce_kernel(const scalar_t*
     } else {
       // Groups of kGroup scores (tiles of U vectors) for the usual row, whose float-pair sums
       // gain from longer groups; a vector at a time for a row of fp64 distances (row_group_sums).
-      // A thread folds its groups with fp64 factors: an fp32 factor (~2^-22) moves one group's
-      // weight against the others', and the temperature's gradient, a difference of such
-      // sums, showed it (8e-6 relative where threads fold several groups).
+      // A thread folds its groups with fp32 factors (ExpNegF32) into fp64 sums.
       const RowF32 row(sign, br, inv_t);
       // log_mode as a constant of the group body (no per-element branch on it)
       const auto stream = [&](auto lm) {
@@ -105,14 +103,14 @@ __global__ void __launch_bounds__(kThreads, 3) vjp_reduce_kernel(const scalar_t*
                 ok[u * V + q] = q < valid[u];
               }
             }
-            acc.merge(row_group_sums<kGroup>(row, xs, gs, ok, kLog), inv_t);
+            acc.merge(row_group_sums<kGroup>(row, xs, gs, ok, kLog), inv_t, ExpNegF32{});
           });
         } else {
           stream_row<scalar_t, float>(x + r * n, gr, n, [&](const float(&xv)[V], const float(&gv)[V], int valid, int64_t) {
             bool ok[V];
 #pragma unroll
             for (int q = 0; q < V; ++q) ok[q] = q < valid;
-            acc.merge(row_group_sums<V>(row, xv, gv, ok, kLog), inv_t);
+            acc.merge(row_group_sums<V>(row, xv, gv, ok, kLog), inv_t, ExpNegF32{});
           });
         }
       };
