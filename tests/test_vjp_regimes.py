@@ -69,7 +69,6 @@ def _check_against_cpu(x, k, t, g, dtype, op, largest):
     tol = 8 * eps * scale if dtype != torch.float64 else 1e-9 * scale
     assert (gx.double().cpu() - cx).abs().max().item() <= tol + 1e-300
     g_scale = up.abs().max().item() if op != "threshold" else 1.0
-    # the log mask's dL/dk carries e^{m/t}-amplified ratios of fp32-weighted sums
     if dtype == torch.float64:
         torch.testing.assert_close(gk.cpu(), ck, rtol=1e-9, atol=1e-12)
         torch.testing.assert_close(gt.cpu(), ct, rtol=1e-9, atol=1e-12)
@@ -78,5 +77,7 @@ def _check_against_cpu(x, k, t, g, dtype, op, largest):
     # the exact threshold is as far off as its conditioning makes it (DESIGN §1.3)
     b = fl.lapsum_threshold(x.double(), k, t, largest=largest)
     rk, rt = vjp_same_precision(op, up, x, b, t, largest)
-    assert_within_same_precision(gk, ck, rk, rtol=2e-6, atol=1e-6 * g_scale)
-    assert_within_same_precision(gt, ct, rt, rtol=2e-6, atol=1e-6 * g_scale)
+    # (the log mask's dL/dk carries e^{m/t}-amplified ratios of fp32-weighted sums)
+    rtol = 1e-5 if op == "log" else 2e-6
+    assert_within_same_precision(gk, ck, rk, rtol=rtol, atol=1e-6 * g_scale)
+    assert_within_same_precision(gt, ct, rt, rtol=rtol, atol=1e-6 * g_scale)
