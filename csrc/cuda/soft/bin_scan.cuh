@@ -1,7 +1,8 @@
 // The scan after a level (scan_row): folds the level's partials, checks the bracket's
 // certificate on the first binned level, and finds the gap or the bin that holds the root. It
 // runs in its own launch (scan_kernel) or in a level block of the row once all are done
-// (level_kernel's fused instance); both at kScanThreads = kLevelThreads threads, so that both sum in one order.
+// (level_kernel's fused instance, at the level block's kLevelThreads): the same fold either
+// way, at two block sizes, so the two agree to rounding, not bit for bit.
 #pragma once
 
 #include <cub/block/block_reduce.cuh>

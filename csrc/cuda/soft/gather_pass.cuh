@@ -51,7 +51,6 @@ level_kernel(const scalar_t* __restrict__ x, RowState* __restrict__ state, doubl
     std::conditional_t<kScan, ScanStorage<kLevelThreads>, char> scan;  // after the row's bins are flushed
   } sb;
   __shared__ int s_last;
-  static_assert(kScanThreads == kLevelThreads, "one block size: the fused scan folds as scan_kernel does");
   unsigned* const s_count = sb.bins.count;  // also propose_from_tile's histogram, beside the parked tile
   static_assert(sizeof(double) * 2 * kBins >= sizeof(sb.tile), "the counts lie past the parked tile");
   double* const s_U = sb.bins.U;

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "../../common/atom_scan.h"
+#include "tuning.cuh"
 
 namespace fastlapsum {
 namespace {
@@ -16,10 +17,9 @@ constexpr int kLevelThreads = 512;
 // 16-byte vectors per thread per tile of the row pass, their loads issued together and kept
 // raw until used (converted to fp64 up front they would take ~126 registers: one block per SM).
 constexpr int kLevelUnroll = 4;
-// The scan and the solve run in their own launch or in a block of the launch before
-// (the fused tail, see threshold_cuda.cu): at the level / sides block's size in both, so that
-// their fixed-order sums are the same either way (256 threads is no faster).
-constexpr int kScanThreads = kLevelThreads;
+// The scan and the solve in launches of their own (threshold_cuda.cu); fused into the launch
+// before, they run at its block's size, kLevelThreads.
+constexpr int kScanThreads = SoftTuning::kSeparateFoldThreads;
 constexpr int kProposeThreads = 256;
 constexpr int kSampleKeys = 8;  // sample keys per propose thread, kept in registers
 // Propose stops at a bucket with at most this many sample keys: a smaller bound often costs a
@@ -27,7 +27,7 @@ constexpr int kSampleKeys = 8;  // sample keys per propose thread, kept in regis
 // digits holds ~15 scores of a Gaussian 1e6 row at k = n/16).
 constexpr unsigned kStopKeys = 8;
 constexpr int64_t kFirstHistWords = kBins + 32;  // per row: the first digit's counts, the barrier counter
-constexpr int kSolveThreads = kLevelThreads;  // the sides kernel's block (see kScanThreads)
+constexpr int kSolveThreads = SoftTuning::kSeparateFoldThreads;  // see kScanThreads
 constexpr int64_t kMaxChunks = 1024;  // blocks per row in the row-wide passes
 constexpr int64_t kSideBlocks = 128;  // blocks per row of the sides pass
 constexpr int kMaxSidesSlices = (kMaxChunks + kSideBlocks - 1) / kSideBlocks;  // middle slices per sides block

@@ -82,7 +82,6 @@ sides_kernel(const scalar_t* __restrict__ x, RowState* __restrict__ state, const
              const unsigned* __restrict__ slice_count, int64_t cap, int chunks, SidesPartial* __restrict__ partial,
              unsigned* __restrict__ arrivals, double* __restrict__ b_out, double* __restrict__ edge_out,
              int64_t* __restrict__ diag, int64_t rows, int64_t n, double sign, bool preread) {
-  static_assert(kSolveThreads == kLevelThreads, "one block size: the fused solve folds as solve_kernel does");
   const bool settled = preread && rows_settled_early(state, blockIdx.y, gridDim.y, rows, is_done);
   begin_dependent_grid();
   if (settled) return;

@@ -30,7 +30,9 @@
 // level before it once all of the row's blocks are done, and the solve in the sides' last
 // block of the row (last_block.cuh), so the sequence is fill, [propose], level 0, [sorted], levels 1.., sides:
 // 2 + levels (+ propose, + sorted) launches instead of a scan after each binning level and a
-// solve more. Same bits either way (the same fold, at the same block size).
+// solve more. The same fold either way, at the level block's 512 threads fused and at
+// SoftTuning::kSeparateFoldThreads on its own: the two agree to rounding, not bit for bit (a
+// shape's plan always takes the same one, so each call is reproducible).
 //
 // Each phase's kernel is in its own header, compiled in this translation unit: propose.cuh,
 // gather_pass.cuh (level), sorted_middle.cuh, bin_scan.cuh (scan), sides_solve.cuh (sides,

@@ -38,6 +38,10 @@ struct SoftTuningSm90 {
   // cap and takes that instance (181 registers, no spills).
   static constexpr int kProposeMinBlocks = 3;
   static constexpr int kProposeMinBlocksOneWave = 1;
+  // Threads of the scan and the solve where they run in launches of their own (rows over
+  // SoftLaunchTuning::fused_max_n); fused into a level or sides block they fold at that
+  // block's size. At 512 the separate chain was 2-6 % slower on single rows of 5e6-1e8.
+  static constexpr int kSeparateFoldThreads = 256;
 };
 using SoftTuning = SoftTuningSm90;
 
