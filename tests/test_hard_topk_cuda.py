@@ -277,6 +277,42 @@ def test_tiny_rows_match_cpu(n, dtype):
             check(x, k, largest=largest, lengths=lengths)
 
 
+def filter_rows(n, seed):
+    """Rows around the tiny-row kernel's lanes'-maxima filter (budgets <= 16, warp_filter):
+    ascending and descending, periodic so that every lane's maximum ties (period 128, 4), the
+    top 31-34 scores tied (about 32 pass the filter: its fallback's boundary), -inf but 20."""
+    g = gen(seed)
+    ar = torch.arange(n, dtype=torch.float32)
+    out = [ar, ar.flip(0), ar % 128, ar % 4]
+    for m in (31, 32, 33, 34):
+        row = torch.randn(n, generator=g)
+        row[torch.randperm(n, generator=g)[:m]] = 10.0
+        out.append(row)
+    row = torch.full((n,), -math.inf)
+    row[torch.randperm(n, generator=g)[:20]] = torch.randn(20, generator=g)
+    out.append(row)
+    return torch.stack(out + [torch.randn(n, generator=g) for _ in range(7)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [40, 256, 1024])
+def test_tiny_rows_filter_budgets(n, dtype):
+    """Every budget the filter takes (1-16) and the first above, both orders, with and without
+    ragged lengths; the straight-through mask at the same budgets."""
+    x = filter_rows(n, seed=300 + n).to(dtype)
+    rows = x.shape[0]
+    lengths = torch.randint(1, n + 1, (rows,), generator=gen(301 + n))
+    for k in range(1, 18):
+        for largest in (True, False):
+            check(x, k, largest=largest)
+            check(x, k, largest=largest, lengths=lengths)
+    kk = torch.randint(1, 18, (rows,), generator=gen(302 + n)).double()
+    t = torch.ones(rows, dtype=torch.float64)
+    pc = torch.ops.fastlapsum.soft_topk_forward(x, kk, t, True, 0, 2)[0]
+    pg = torch.ops.fastlapsum.soft_topk_forward(x.cuda(), kk.cuda(), t.cuda(), True, 0, 2)[0]
+    torch.testing.assert_close(pg.cpu(), pc, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiny_rows_unsorted_order(dtype):
     """sorted=False on tiny rows: the selected indices in ascending index order, the same on

@@ -50,7 +50,7 @@ def main() -> None:
                 b.sum().backward()
                 st = fastlapsum.soft_topk(xg, k, 0.1, largest=largest, hard=True)
                 st.sum().backward()
-                for kk in {0, 1, min(n, 8), k, n}:
+                for kk in {0, 1, min(n, 8), min(n, 16), k, n}:  # 1-16: the warp rows' filter
                     for srt in (False, True):
                         fastlapsum.topk(x, kk, largest=largest, sorted=srt)
                 lengths = torch.randint(0, n + 3, (rows,), device="cuda")

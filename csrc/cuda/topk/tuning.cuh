@@ -97,6 +97,11 @@ struct TopkTuningSm90 {
   // Rows of 32+ keys a lane bisect over the keys above the bracket's lower end where they
   // fit kWarpCandPerLane a lane (~4-6 on random rows for take <= 64).
   static constexpr int kWarpRows = 4, kWarpMaxItems = 64, kWarpSortMaxK = 64, kWarpCandPerLane = 8;
+  // Budgets of at most kWarpFilterMaxTake take the lanes'-maxima filter (warp_filter): its
+  // bisection stops once at most take + kWarpFilterSlack maxima pass (~take + 2 scores pass
+  // on random rows, ~4 ballots for take = 8 over 256 scores), and above 16 more than 32
+  // scores pass it on most random rows.
+  static constexpr int kWarpFilterMaxTake = 16, kWarpFilterSlack = 2;
   // Rows of n <= kThreadMaxN: a thread a row (ranks by pairwise compares), kThreadRowsPerCta
   // rows a CTA.
   static constexpr int kThreadMaxN = 32, kThreadRowsPerCta = 128;

@@ -11,6 +11,11 @@
 // composites (key << 32 | ~index) are below every valid composite and never selected
 // (take <= L).
 //
+// Small budgets (topk, take <= kWarpFilterMaxTake: MoE routing): the scores at or above a key
+// that take of the lanes' maxima reach are few (~take + 2 on random rows); they are gathered
+// one a lane and ranked among themselves, and each selected one is written by its lane
+// (warp_filter). Where more than 32 pass (ties), and for hard_mask, the general selection:
+//
 // Selection (exact, the composite order of topk_cuda.cu): a bisection for the take-th
 // largest key G over [lo, hi], a bracket from the lanes' maxima (see below), one warp
 // reduction (__reduce_add_sync) of the lanes' counts of key >= mid per step (on long rows
@@ -139,6 +144,71 @@ __device__ __forceinline__ void warp_staged_out(const Params& P, int64_t r, cons
   }
 }
 
+// topk's small budgets (1 <= take <= kWarpFilterMaxTake): the scores at or above a filter key F,
+// gathered one a lane in index order and ranked among themselves. F has at least take of the
+// lanes' maxima at or above it (so every selected score is >= F: the take-th largest key is):
+// a bisection over the lanes' maxima by ballots from `lo` (such a key already), stopped once
+// at most take + kWarpFilterSlack maxima are >= its lower end. On random rows ~take + 2
+// scores pass; where more than 32 do (ties, too few lanes with a valid score) it returns
+// false and the row takes the bisection over all keys. Else lane < total holds candidate
+// `comp` and its rank among the candidates in the composite order (larger key first, then
+// smaller index: candidates are in index order, so the smaller lane).
+template <int kC, int V>
+__device__ __forceinline__ bool warp_filter(const uint32_t (&key)[kC * V], uint32_t m1, uint32_t lo, uint32_t hi,
+                                            uint32_t take, int lane, uint64_t* stage, uint64_t& comp,
+                                            uint32_t& rank, uint32_t& total) {
+#pragma unroll 1
+  while (lo < hi) {  // count(m1 >= lo) >= take
+    const uint32_t mid = lo + ((hi - lo) >> 1) + 1;
+    const uint32_t c = __popc(__ballot_sync(kWarpFull, m1 >= mid));
+    if (c >= take) {
+      lo = mid;
+      if (c <= take + TopkTuning::kWarpFilterSlack) break;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  // bit e of passing(c): score (c*32 + lane)*V + e passes (recomputed where needed: kept in
+  // registers, the kC words would spill the 1024-score fp32 build)
+  const auto passing = [&](int c) {
+    uint32_t bits = 0;
+#pragma unroll
+    for (int e = 0; e < V; ++e) bits |= (key[c * V + e] >= lo ? 1u : 0u) << e;
+    return bits;
+  };
+  total = warp_reduce<WarpOp::kSum>(lane_count(key, [&](uint32_t k) { return k >= lo; }));
+  if (total > 32) return false;
+  // Index order is chunk, lane, element: one warp scan per four chunks of their counts,
+  // packed 8 bits each (a chunk's count over the warp is <= total <= 32).
+  uint32_t before = 0;  // candidates in the chunks before
+#pragma unroll
+  for (int g = 0; g < kC; g += 4) {
+    uint32_t packed = 0;
+#pragma unroll
+    for (int c = g; c < kC && c < g + 4; ++c) packed |= static_cast<uint32_t>(__popc(passing(c))) << (8 * (c - g));
+    const uint32_t incl = warp_inclusive_sum(packed, lane), tot = __shfl_sync(kWarpFull, incl, 31);
+    const uint32_t excl = incl - packed;
+#pragma unroll
+    for (int c = g; c < kC && c < g + 4; ++c) {
+      uint32_t p = before + ((excl >> (8 * (c - g))) & 0xFFu);
+#pragma unroll
+      for (int e = 0; e < V; ++e)
+        if (key[c * V + e] >= lo) stage[p++] = composite(key[c * V + e], (c * 32 + lane) * V + e);
+      before += (tot >> (8 * (c - g))) & 0xFFu;
+    }
+  }
+  __syncwarp();
+  comp = static_cast<uint32_t>(lane) < total ? stage[lane] : 0ull;
+  const uint32_t ck = static_cast<uint32_t>(comp >> 32);
+  rank = 0;
+#pragma unroll 4
+  for (uint32_t j = 0; j < total; ++j) {
+    const uint32_t o = __shfl_sync(kWarpFull, ck, j);
+    rank += (o > ck || (o == ck && j < static_cast<uint32_t>(lane))) ? 1u : 0u;
+  }
+  return true;
+}
+
 // Registers: at most 128 (four CTAs an SM) where a lane holds 64 keys, else 64 (eight).
 template <typename T, bool kMask, int kC>
 __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T) >= 64 ? 4 : 8)
@@ -213,6 +283,20 @@ __global__ void __launch_bounds__(TopkTuning::kWarpRows * 32, kC * 16 / sizeof(T
   }
   uint32_t hi = warp_reduce<WarpOp::kMax>(m1);
   if (take == 0) lo = hi;  // hard_mask's k = 0: G = the largest key, r_ties = 0
+  if constexpr (!kMask) {
+    if (take <= static_cast<uint32_t>(TopkTuning::kWarpFilterMaxTake)) {  // take >= 1 here
+      uint64_t comp;
+      uint32_t rank, total;
+      if (warp_filter<kC, V>(key, m1, lo, hi, take, lane, stage_all[w], comp, rank, total)) {
+        // written at its rank (sorted) or after the selected candidates before it
+        const bool sel = static_cast<uint32_t>(lane) < total && rank < take;
+        const uint32_t before = __popc(__ballot_sync(kWarpFull, sel) & ((1u << lane) - 1u));
+        if (sel) emit<T>(P, r, P.warp_sort != 0 ? rank : before, comp);
+        pad_row<T>(P, r, take, lane, 32);
+        return;
+      }
+    }
+  }
   // Long rows (32+ keys a lane), take <= 64: every count below is of keys > lo, typically
   // ~4-6 a lane of them; where they fit kCand a lane they are copied (in any order) to
   // registers through shared memory, and the bisection counts those only.
