@@ -173,6 +173,32 @@ def test_periodic_rows(device, period):
         run_and_check(x, k, largest=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_cpu_sample_filter_rows(dtype):
+    """The CPU selector's sampled pre-filter (select_cpu.h: rows of >= 1024 scores, k <= n/8, a
+    sample every n/256 scores): spikes on exactly the sampled positions (all 256 pass; budgets
+    above fall back to the whole row), spikes just off them, ties at the threshold, and the
+    sorted order with the smaller index first among ties."""
+    n = 4096
+    i = torch.arange(n)
+    rows = [torch.randn(n, generator=gen(40)) * 100]
+    for phase in (0, 1):
+        r = torch.randn(n, generator=gen(41 + phase))
+        r[i % 16 == phase] = 1000.0 + (i[i % 16 == phase] % 7).float()  # ties among the spikes
+        rows.append(r)
+    rows.append((i % 16 == 0).float() * 5 + (i % 3).float())  # the sample sees only the top levels
+    rows.append(torch.full((n,), 2.0))
+    x = torch.stack(rows).round().to(dtype)
+    for k in (1, 29, 255, 256, 257, 400, 512):
+        for largest in (True, False):
+            run_and_check(x, k, largest=largest)
+            v, idx = fastlapsum.topk(x, k, largest=largest, sorted=True)
+            key = order_key(x.float(), largest)
+            assert torch.equal(idx, key.sort(dim=1, descending=True, stable=True).indices[:, :k])
+    lengths = torch.tensor([4096, 2000, 1024, 1023, 3000])
+    run_and_check(x, 100, lengths=lengths)
+
+
 def test_nan_ranks_above_inf(device):
     n = 1000
     g = gen(6)

@@ -18,7 +18,8 @@
 // Direction: a descending order is the ascending order of the keys XOR all ones
 // (direction_flip); ties then still break by index, through composite.
 // What the callers rely on:
-//  - CPU top-k (select_cpu.h): order_key, NaN on top, -0 == +0, ties to the smaller index.
+//  - CPU top-k (select_cpu.h): order_key (int64, fp64) or float_key / the 32-bit int key in
+//    composites (scores of at most 32 bits), NaN on top, -0 == +0, ties to the smaller index.
 //  - CPU threshold radix fallback (threshold_cpu.cpp), CUDA threshold (gpu_keys.cuh): flip
 //    keys of finite scores only (non-finite ones are counted apart), digits from the top bit.
 //  - CUDA top-k: float_key ^ flip in composites, NaN on top; values come back through
