@@ -14,6 +14,14 @@ import torch
 import fastlapsum
 from fastlapsum import reference
 
+# Under pytest-xdist (-n W) the W workers already share the cores: each worker's torch keeps
+# cores // W intra-op threads, since W processes of one thread per core each spin against each
+# other in every parallel region (two workers of two threads on two cores: the CPU topk and
+# soft tests 3x slower than with one thread each).
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS))
+
 CUDA = torch.cuda.is_available() and fastlapsum.has_cuda_kernels()
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and the CUDA build")
