@@ -18,8 +18,8 @@
 // Direction: a descending order is the ascending order of the keys XOR all ones
 // (direction_flip); ties then still break by index, through composite.
 // What the callers rely on:
-//  - CPU top-k (select_cpu.h): order_key (int64, fp64) or float_key / the 32-bit int key in
-//    composites (scores of at most 32 bits), NaN on top, -0 == +0, ties to the smaller index.
+//  - CPU top-k (select_cpu.h): order_key (int64, fp64) or order_key32 in composites (scores
+//    of at most 32 bits), NaN on top, -0 == +0, ties to the smaller index.
 //  - CPU threshold radix fallback (threshold_cpu.cpp), CUDA threshold (gpu_keys.cuh): flip
 //    keys of finite scores only (non-finite ones are counted apart), digits from the top bit.
 //  - CUDA top-k: float_key ^ flip in composites, NaN on top; values come back through
@@ -86,6 +86,15 @@ template <typename scalar_t>
 FLS_HD uint64_t order_key(scalar_t v) {
   if constexpr (std::is_integral_v<scalar_t>) return int_key(static_cast<int64_t>(v));
   else return double_key(static_cast<double>(v));
+}
+
+// The 32-bit key of a score of at most 32 bits (CPU top-k composites): float_key of its exact
+// fp32 value, or int_key's encoding in 32 bits.
+template <typename scalar_t>
+FLS_HD uint32_t order_key32(scalar_t v) {
+  static_assert(sizeof(scalar_t) <= 4, "order_key32: scores of at most 32 bits");
+  if constexpr (std::is_integral_v<scalar_t>) return static_cast<uint32_t>(static_cast<int32_t>(v)) ^ kSignBit<uint32_t>;
+  else return float_key(static_cast<float>(v));
 }
 
 // XOR a key with this to rank descending (largest) or ascending (smallest) as larger keys.

@@ -30,14 +30,6 @@ constexpr int64_t kSelectFilterMinN = 1024, kSelectFilterMaxShare = 8;
 constexpr int64_t kSelectSampleStride = 16, kSelectSampleMin = 64, kSelectSampleMax = 256;
 constexpr int64_t kSelectKeepN = int64_t(1) << 20;  // 8 MiB a thread at most
 
-// The 32-bit order key of a score of at most 32 bits (float_key of its exact fp32 value, or
-// the integer's two's complement with the sign bit flipped).
-template <typename scalar_t>
-uint32_t order_key32(scalar_t v) {
-  if constexpr (std::is_integral_v<scalar_t>) return static_cast<uint32_t>(static_cast<int32_t>(v)) ^ kSignBit<uint32_t>;
-  else return float_key(static_cast<float>(v));
-}
-
 template <typename scalar_t>
 void select_top_indices_composite(const scalar_t* row, int64_t n, int64_t k, bool largest, bool sorted,
                                   int64_t* out) {
@@ -48,7 +40,8 @@ void select_top_indices_composite(const scalar_t* row, int64_t n, int64_t k, boo
   std::vector<uint64_t>& c = n <= kSelectKeepN ? kept : own;
   const uint32_t flip = direction_flip<uint32_t>(largest);
   const auto key = [&](int64_t i) { return order_key32(row[i]) ^ flip; };
-  int64_t m = 0;  // composites in c
+  if (c.size() < static_cast<size_t>(n)) c.resize(static_cast<size_t>(n));
+  int64_t m = 0;  // composites in c; 0: the whole row's, below
   if (n >= kSelectFilterMinN && k * kSelectFilterMaxShare <= n) {
     // The sample's r-th key, r = the sample's expected count at or above the k-th score plus
     // ~3 sigma: ~n r / S scores pass.
@@ -59,7 +52,6 @@ void select_top_indices_composite(const scalar_t* row, int64_t n, int64_t k, boo
     const int64_t r = std::min<int64_t>(S, static_cast<int64_t>(mean + 3.0 * std::sqrt(mean)) + 2);
     std::nth_element(s, s + (r - 1), s + S, std::greater<uint32_t>());
     const uint32_t lo = s[r - 1];
-    if (c.size() < static_cast<size_t>(n)) c.resize(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {
       const uint32_t q = key(i);
       c[m] = composite(q, static_cast<uint32_t>(i));
@@ -68,7 +60,6 @@ void select_top_indices_composite(const scalar_t* row, int64_t n, int64_t k, boo
     if (m < k) m = 0;  // fewer than k at or above lo: the whole row below
   }
   if (m == 0) {
-    if (c.size() < static_cast<size_t>(n)) c.resize(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) c[i] = composite(key(i), static_cast<uint32_t>(i));
     m = n;
   }
