@@ -29,48 +29,41 @@ static_assert(kShortThreads == kSortedThreads, "the CTA regime (plan_soft.h) run
 // Position i of a row of n >= 1 scores, or its last one past the end.
 __device__ __forceinline__ unsigned clamp_index(int i, int n) { return static_cast<unsigned>(i < n ? i : n - 1); }
 
-// The row's mask (or log mask) from its threshold and the signed scores s (item q of thread
-// tid, of kStride, at q * kStride + tid; n: a short row's, int), branch-free per element so
-// that the exponentials overlap. Below fp64 the mask stays in fp32 from the exponential to the
-// store (lapsum_prob_f).
-template <typename scalar_t, int kItems, int kStride, typename S>
-__device__ __forceinline__ void write_mask_of(const S (&s)[kItems], scalar_t* __restrict__ prow, int n, double b,
-                                              double t, double edge, bool log_mode, int tid) {
+// The row's mask (or log mask) from its threshold, re-reading the scores (from L1/L2), item
+// q of thread tid (of kStride) at q * kStride + tid (n: a short row's, int): all loads
+// first, then branch-free per-element math, so the loads and exponentials overlap. Below
+// fp64 the mask stays in fp32 from the exponential to the store (lapsum_prob_f).
+template <typename scalar_t, int kItems, int kStride>
+__device__ __forceinline__ void write_mask(const scalar_t* __restrict__ row, scalar_t* __restrict__ prow, int n,
+                                           double sign, double b, double t, double edge, bool log_mode, int tid) {
+  // Unconditional loads of clamped positions (past the row: its last score, unused): the
+  // compiler otherwise rebuilds each predicated load's address from the row index. An empty
+  // row has no position to clamp to.
+  if (n == 0) return;
+  double s[kItems];
+#pragma unroll
+  for (int q = 0; q < kItems; ++q) s[q] = sign * static_cast<double>(row[clamp_index(q * kStride + tid, n)]);
   const auto store = [&](int q, auto p) {
     const int i = q * kStride + tid;
     if (i < n) prow[clamp_index(i, n)] = static_cast<scalar_t>(p);
   };
   if (log_mode) {
 #pragma unroll
-    for (int q = 0; q < kItems; ++q) store(q, lapsum_log_prob(static_cast<double>(s[q]), b, t, edge));
+    for (int q = 0; q < kItems; ++q) store(q, lapsum_log_prob(s[q], b, t, edge));
     return;
   }
   const double inv_t = inv_temperature(t);
   const auto mask = [&] {
 #pragma unroll
     for (int q = 0; q < kItems; ++q) {
-      const double sq = static_cast<double>(s[q]);
-      if constexpr (std::is_same<scalar_t, double>::value) store(q, lapsum_prob(sq, b, t, edge));
-      else store(q, lapsum_prob_f(sq, b, inv_t, edge));
+      if constexpr (std::is_same<scalar_t, double>::value) store(q, lapsum_prob(s[q], b, t, edge));
+      else store(q, lapsum_prob_f(s[q], b, inv_t, edge));
     }
   };
   // The same call on both sides: this side lets the compiler drop the per-score tests of an
   // infinite b (the row's, uniform).
   if (b == INFINITY || b == -INFINITY) mask();
   else mask();
-}
-
-// The same, re-reading the scores (from L1/L2): all loads first, unconditional at clamped
-// positions (past the row: its last score, unused; the compiler otherwise rebuilds each
-// predicated load's address from the row index). An empty row has no position to clamp to.
-template <typename scalar_t, int kItems, int kStride>
-__device__ __forceinline__ void write_mask(const scalar_t* __restrict__ row, scalar_t* __restrict__ prow, int n,
-                                           double sign, double b, double t, double edge, bool log_mode, int tid) {
-  if (n == 0) return;
-  double s[kItems];
-#pragma unroll
-  for (int q = 0; q < kItems; ++q) s[q] = sign * static_cast<double>(row[clamp_index(q * kStride + tid, n)]);
-  write_mask_of<scalar_t, kItems, kStride>(s, prow, n, b, t, edge, log_mode, tid);
 }
 
 // A row's threshold, edge and diagnostics: `sorted`, the finite scores the sort ordered (0
@@ -106,24 +99,19 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
   const scalar_t* row = x + r * n;
   const double k = k_in[r], t = t_in[r];
 
-  // Striped loads (coalesced), all issued before any is used (clamped positions: a load
-  // inside the `i < n` branch would wait for the one before); only the keys stay (the mask
-  // re-reads the row from L2).
-  const int nn = static_cast<int>(n);  // a short row's
-  double v[kItems];
-#pragma unroll
-  for (int q = 0; q < kItems; ++q)
-    v[q] = nn > 0 ? sign * static_cast<double>(row[clamp_index(q * kShortThreads + tid, nn)]) : 0.0;
+  // Striped loads (coalesced); only the keys stay (the mask re-reads the row from L2).
   Key keys[kItems];
   NonFiniteCount count;
   KeyStats<Key> stats;
 #pragma unroll
   for (int q = 0; q < kItems; ++q) {
+    const int64_t i = q * kShortThreads + tid;
     keys[q] = 0;  // below every score's key (outer_gap_block skips it)
-    if (q * kShortThreads + tid < nn) {
-      keys[q] = SK::key(v[q]);
-      count.add(v[q]);
-      stats.add(keys[q], is_finite(v[q]));
+    if (i < n) {
+      const double s = sign * static_cast<double>(row[i]);
+      keys[q] = SK::key(s);
+      count.add(s);
+      stats.add(keys[q], is_finite(s));
     }
   }
   const Census<Key> c = take_census(census, count.nan, count.pinf, count.ninf, stats);
@@ -147,12 +135,13 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
 }
 
 // One row per group of kLanes lanes (a warp, or 8 / 16 lanes for rows of at most that many
-// scores), the plan's warps per CTA, n <= kLanes * kItems: striped loads (coalesced), all at
-// once; the census (non-finite counts, each lane's finite extremes); the outer gap; where it
-// fails, the keys padded with 0 (below every score's key, so the padding sorts last), the sort
-// and solve of warp_rows.cuh; the mask. A group past the last row leaves at once (whole groups
-// only: the shuffles below need all of the group's lanes; the groups of a warp shuffle under
-// their own masks, so they may part ways).
+// scores), the plan's warps per CTA, n <= kLanes * kItems: striped loads (coalesced); the
+// census (non-finite counts, each lane's finite extremes); the outer gap, re-reading the row
+// (from L1), so that no keys are live while it runs; where it fails, the keys padded with
+// 0 (below every score's key, so the padding sorts last) from a third read, the sort and
+// solve of warp_rows.cuh; the mask re-reading the row. A group past the last row leaves at
+// once (whole groups only: the shuffles below need all of the group's lanes; the groups of
+// a warp shuffle under their own masks, so they may part ways).
 template <typename scalar_t, int kItems, int kLanes>
 __global__ void __launch_bounds__(SoftTuning::kWarpRowsMaxWarps * 32,
                                   SoftTuning::warp_min_blocks(kItems, sizeof(typename SortKey<scalar_t>::Key)))
@@ -173,46 +162,43 @@ warp_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in
   // Scores in SK::Score (fp32 for 16/32-bit rows: exact, and no fp64 conversion per score).
   using Score = typename SK::Score;
   const Score sgn = static_cast<Score>(sign);
-  const auto score = [&](int q) {  // position q * kLanes + lane, NaN past the row (none loaded in an empty one)
+  const auto score = [&](int q) {  // position q * kLanes + lane, NaN past the row
     const int i = q * kLanes + lane;
-    return i < nn ? sgn * static_cast<Score>(row[clamp_index(i, nn)]) : Score(NAN);
+    const Score s = sgn * static_cast<Score>(row[clamp_index(i, nn)]);
+    return i < nn ? s : Score(NAN);
   };
-  // The census reads every score before it tests any (a load inside an `i < n` branch would
-  // wait for the one before it); the outer gap, the sort's keys and the mask read the same
-  // registers (kept through the sort: its solve spills more for them).
   NonFiniteCount count;
   KeyStats<Key> ext;  // min/max of the lane's finite keys
-  Score v[kItems];
-#pragma unroll
-  for (int q = 0; q < kItems; ++q) v[q] = score(q);
 #pragma unroll
   for (int q = 0; q < kItems; ++q) {
-    if (q * kLanes + lane < nn) {
-      count.add(v[q]);
-      ext.add(SK::key(v[q]), is_finite(v[q]));
+    const int i = q * kLanes + lane;
+    if (i < nn) {  // a load of its own: sharing score(q)'s would keep every score live to the sort
+      const Score s = sgn * static_cast<Score>(row[i]);
+      count.add(s);
+      ext.add(SK::key(s), is_finite(s));
     }
   }
-  // The NaN and +inf counts in one group sum (each <= 1024: 16 bits a field).
-  const uint32_t counts = G::sum(static_cast<uint32_t>(count.nan) | static_cast<uint32_t>(count.pinf) << 16);
-  const int nan = counts & 0xffff, pinf = counts >> 16, ninf = G::sum(count.ninf);
+  const int nan = G::sum(count.nan), pinf = G::sum(count.pinf), ninf = G::sum(count.ninf);
   double b, edge, kf;
   const bool settled = settle_row(k, t, static_cast<double>(n), nan, pinf, ninf, &b, &edge, &kf);
   int sorted = 0;
   if (!settled) {  // uniform across the group, as is the gap's test
-    b = outer_gap_group<SK, kItems, kLanes>([&](int q) { return v[q]; }, ext.min, ext.max, kf, nn - pinf - ninf,
-                                            t);
+    b = outer_gap_group<SK, kItems, kLanes>(score, ext.min, ext.max, kf, nn - pinf - ninf, t);
     if (b != b) {
       sorted = nn - pinf - ninf;
       Key keys[kItems];
 #pragma unroll
-      for (int q = 0; q < kItems; ++q) keys[q] = v[q] == v[q] ? SK::key(v[q]) : Key(0);
+      for (int q = 0; q < kItems; ++q) {
+        const Score s = score(q);
+        keys[q] = s == s ? SK::key(s) : Key(0);
+      }
       warp_sort_descending<Key, kItems, kLanes>(keys);  // positions [0, n) hold the row, padding after
       b = solve_sorted_warp<Key, SK, kItems, kLanes>(keys, pinf, nn - ninf, kf, t);
     }
   }
   if (lane == 0) write_row_result(b_out, edge_out, diag, r, sign, b, edge, settled, sorted);
   if (p_out == nullptr) return;
-  write_mask_of<scalar_t, kItems, kLanes>(v, p_out + r * n, nn, b, t, edge, log_mode, lane);
+  write_mask<scalar_t, kItems, kLanes>(row, p_out + r * n, nn, sign, b, t, edge, log_mode, lane);
 }
 
 // The warp regime (soft_regime_cuda, plan_soft.h) holds rows of at most warp_row_max.
