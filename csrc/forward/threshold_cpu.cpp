@@ -174,28 +174,73 @@ struct BracketSums {
   std::vector<double> mid;
 };
 
+// A thread's scratch for one part's gathered middle (grown, never shrunk): the gather writes
+// every score and advances only past the kept ones, so it needs room for one more.
+inline double* middle_scratch(int64_t len) {
+  thread_local std::vector<double> buf;
+  if (static_cast<int64_t>(buf.size()) < len) buf.resize(len);
+  return buf.data();
+}
+
+// Four scores' sides of the bracket and exponentials (bracket_sums).
+struct BracketLanes {
+  I64x4 above, below, mid;
+  F64x4 e;
+};
+[[gnu::always_inline]] inline BracketLanes bracket_lanes(F64x4 s, double aL, double aR, const GapExp& ex) {
+  const I64x4 finite = s - s == 0.0, above = finite & (s >= aR), below = finite & (s < aL),
+              mid = finite & ~above & ~below;
+  return {above, below, mid, exp_nonpos((below ? s - aL : (above ? aR - s : s - aR)) * ex.scale * ex.inv_ts)};
+}
+
+// bracket_sums' running lane sums and gathered middle. add() is branch-free: every lane's score
+// is written at `held`, which advances past the middle's while fewer than `room` are held.
+// (A function, not a lambda: a lambda in a target_clones function is built for the baseline
+// ISA and called across the ABI.)
+struct BracketAcc {
+  F64x4 h{}, SR{}, SL{}, midR{}, count{};
+  double* kept;
+  int64_t held, room;
+};
+[[gnu::always_inline]] inline void bracket_add(BracketAcc& a, F64x4 s, const BracketLanes& v) {
+  a.h += v.above ? 1.0 : 0.0;
+  a.SR += v.above ? v.e : 0.0;
+  a.SL += v.below ? v.e : 0.0;
+  a.midR += v.mid ? v.e : 0.0;
+  a.count += v.mid ? 1.0 : 0.0;
+  for (int l = 0; l < kLanes; ++l) {
+    a.kept[a.held] = s[l];
+    a.held += v.mid[l] != 0 && a.held < a.room ? 1 : 0;
+  }
+}
+
 template <typename scalar_t>
 FLS_CPU_CLONES void bracket_sums(const scalar_t* x, int64_t i0, int64_t i1, double sign, double aL, double aR,
                                  GapExp ex, int64_t cap, BracketSums& out) {
-  F64x4 h{}, SR{}, SL{}, midR{}, count{};
-  for (int64_t i = i0; i < i1; i += kLanes) {
-    const F64x4 s = load_lanes_tail(x, i, i1, sign, NAN);  // absent lanes NaN: counted nowhere
-    const I64x4 finite = s - s == 0.0, above = finite & (s >= aR), below = finite & (s < aL),
-                mid = finite & ~above & ~below;
-    const F64x4 e = exp_nonpos((below ? s - aL : (above ? aR - s : s - aR)) * ex.scale * ex.inv_ts);
-    h += above ? 1.0 : 0.0;
-    SR += above ? e : 0.0;
-    SL += below ? e : 0.0;
-    midR += mid ? e : 0.0;
-    count += mid ? 1.0 : 0.0;
-    for (int l = 0; l < kLanes; ++l)
-      if (mid[l] && static_cast<int64_t>(out.mid.size()) < cap) out.mid.push_back(s[l]);
+  const int64_t room = std::min(cap, i1 - i0);
+  BracketAcc a{};
+  a.kept = middle_scratch(room + 1);
+  a.held = 0;
+  a.room = room;
+  int64_t i = i0;
+  // Two vectors a step, their exponentials' dependent chains side by side; the sums still add
+  // in the order of the scores.
+  for (; i + 2 * kLanes <= i1; i += 2 * kLanes) {
+    const F64x4 s0 = load_lanes(x, i, sign), s1 = load_lanes(x, i + kLanes, sign);
+    const BracketLanes v0 = bracket_lanes(s0, aL, aR, ex), v1 = bracket_lanes(s1, aL, aR, ex);
+    bracket_add(a, s0, v0);
+    bracket_add(a, s1, v1);
   }
-  out.h = lane_sum(h);
-  out.SR = lane_sum(SR);
-  out.SL = lane_sum(SL);
-  out.midR = lane_sum(midR);
-  out.count = static_cast<int64_t>(lane_sum(count));
+  for (; i < i1; i += kLanes) {
+    const F64x4 s = load_lanes_tail(x, i, i1, sign, NAN);  // absent lanes NaN: counted nowhere
+    bracket_add(a, s, bracket_lanes(s, aL, aR, ex));
+  }
+  out.h = lane_sum(a.h);
+  out.SR = lane_sum(a.SR);
+  out.SL = lane_sum(a.SL);
+  out.midR = lane_sum(a.midR);
+  out.count = static_cast<int64_t>(lane_sum(a.count));
+  out.mid.assign(a.kept, a.kept + a.held);
 }
 
 // midL of the gathered middle scores [p, p + len).
