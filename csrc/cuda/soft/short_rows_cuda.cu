@@ -99,24 +99,19 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
   const scalar_t* row = x + r * n;
   const double k = k_in[r], t = t_in[r];
 
-  // Striped loads (coalesced), all issued before any is used (clamped positions: a load
-  // inside the `i < n` branch would wait for the one before); only the keys stay (the mask
-  // re-reads the row from L2).
-  const int nn = static_cast<int>(n);  // a short row's
-  double v[kItems];
-#pragma unroll
-  for (int q = 0; q < kItems; ++q)
-    v[q] = nn > 0 ? sign * static_cast<double>(row[clamp_index(q * kShortThreads + tid, nn)]) : 0.0;
+  // Striped loads (coalesced); only the keys stay (the mask re-reads the row from L2).
   Key keys[kItems];
   NonFiniteCount count;
   KeyStats<Key> stats;
 #pragma unroll
   for (int q = 0; q < kItems; ++q) {
+    const int64_t i = q * kShortThreads + tid;
     keys[q] = 0;  // below every score's key (outer_gap_block skips it)
-    if (q * kShortThreads + tid < nn) {
-      keys[q] = SK::key(v[q]);
-      count.add(v[q]);
-      stats.add(keys[q], is_finite(v[q]));
+    if (i < n) {
+      const double s = sign * static_cast<double>(row[i]);
+      keys[q] = SK::key(s);
+      count.add(s);
+      stats.add(keys[q], is_finite(s));
     }
   }
   const Census<Key> c = take_census(census, count.nan, count.pinf, count.ninf, stats);
@@ -140,12 +135,13 @@ short_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_i
 }
 
 // One row per group of kLanes lanes (a warp, or 8 / 16 lanes for rows of at most that many
-// scores), the plan's warps per CTA, n <= kLanes * kItems: striped loads (coalesced), all at
-// once; the census (non-finite counts, each lane's finite extremes); the outer gap; where it
-// fails, the keys padded with 0 (below every score's key, so the padding sorts last), the sort
-// and solve of warp_rows.cuh; the mask. A group past the last row leaves at once (whole groups
-// only: the shuffles below need all of the group's lanes; the groups of a warp shuffle under
-// their own masks, so they may part ways).
+// scores), the plan's warps per CTA, n <= kLanes * kItems: striped loads (coalesced); the
+// census (non-finite counts, each lane's finite extremes); the outer gap, re-reading the row
+// (from L1), so that no keys are live while it runs; where it fails, the keys padded with
+// 0 (below every score's key, so the padding sorts last) from a third read, the sort and
+// solve of warp_rows.cuh; the mask re-reading the row. A group past the last row leaves at
+// once (whole groups only: the shuffles below need all of the group's lanes; the groups of
+// a warp shuffle under their own masks, so they may part ways).
 template <typename scalar_t, int kItems, int kLanes>
 __global__ void __launch_bounds__(SoftTuning::kWarpRowsMaxWarps * 32,
                                   SoftTuning::warp_min_blocks(kItems, sizeof(typename SortKey<scalar_t>::Key)))
@@ -166,28 +162,23 @@ warp_rows_kernel(const scalar_t* __restrict__ x, const double* __restrict__ k_in
   // Scores in SK::Score (fp32 for 16/32-bit rows: exact, and no fp64 conversion per score).
   using Score = typename SK::Score;
   const Score sgn = static_cast<Score>(sign);
-  const auto score = [&](int q) {  // position q * kLanes + lane, NaN past the row (none loaded in an empty one)
+  const auto score = [&](int q) {  // position q * kLanes + lane, NaN past the row
     const int i = q * kLanes + lane;
-    return i < nn ? sgn * static_cast<Score>(row[clamp_index(i, nn)]) : Score(NAN);
+    const Score s = sgn * static_cast<Score>(row[clamp_index(i, nn)]);
+    return i < nn ? s : Score(NAN);
   };
-  // The census reads every score through score(q) before it tests any (a load inside an
-  // `i < n` branch would wait for the one before it). The outer gap, the sort's keys and the
-  // mask read the row again (from L1): the scores are not kept live through settle_row.
   NonFiniteCount count;
   KeyStats<Key> ext;  // min/max of the lane's finite keys
-  Score v[kItems];
-#pragma unroll
-  for (int q = 0; q < kItems; ++q) v[q] = score(q);
 #pragma unroll
   for (int q = 0; q < kItems; ++q) {
-    if (q * kLanes + lane < nn) {
-      count.add(v[q]);
-      ext.add(SK::key(v[q]), is_finite(v[q]));
+    const int i = q * kLanes + lane;
+    if (i < nn) {  // a load of its own: sharing score(q)'s would keep every score live to the sort
+      const Score s = sgn * static_cast<Score>(row[i]);
+      count.add(s);
+      ext.add(SK::key(s), is_finite(s));
     }
   }
-  // The NaN and +inf counts in one group sum (each <= 1024: 16 bits a field).
-  const uint32_t counts = G::sum(static_cast<uint32_t>(count.nan) | static_cast<uint32_t>(count.pinf) << 16);
-  const int nan = counts & 0xffff, pinf = counts >> 16, ninf = G::sum(count.ninf);
+  const int nan = G::sum(count.nan), pinf = G::sum(count.pinf), ninf = G::sum(count.ninf);
   double b, edge, kf;
   const bool settled = settle_row(k, t, static_cast<double>(n), nan, pinf, ninf, &b, &edge, &kf);
   int sorted = 0;

@@ -157,7 +157,6 @@ template <int kC, int V>
 __device__ __forceinline__ bool warp_filter(const uint32_t (&key)[kC * V], uint32_t m1, uint32_t lo, uint32_t hi,
                                             uint32_t take, int lane, uint64_t* stage, uint64_t& comp,
                                             uint32_t& rank, uint32_t& total) {
-  static_assert(TopkTuning::kWarpSortMaxK >= 64, "stage: 32 candidates, then a slot a lane for the failing keys");
 #pragma unroll 1
   while (lo < hi) {  // count(m1 >= lo) >= take
     const uint32_t mid = lo + ((hi - lo) >> 1) + 1;
@@ -192,19 +191,9 @@ __device__ __forceinline__ bool warp_filter(const uint32_t (&key)[kC * V], uint3
 #pragma unroll
     for (int c = g; c < kC && c < g + 4; ++c) {
       uint32_t p = before + ((excl >> (8 * (c - g))) & 0xFFu);
-      // Up to 16 keys a lane, branch-free: a key that fails goes to the lane's own slot past
-      // the 32 candidates' (stage holds kWarpSortMaxK), so every key is one store at a computed
-      // address. With 32 keys a lane that form spills (sm_90, 64 registers): a branch a key.
 #pragma unroll
-      for (int e = 0; e < V; ++e) {
-        if constexpr (kC * V <= 16) {
-          const bool pass = key[c * V + e] >= lo;
-          stage[pass ? p : 32u + lane] = composite(key[c * V + e], (c * 32 + lane) * V + e);
-          p += pass ? 1u : 0u;
-        } else if (key[c * V + e] >= lo) {
-          stage[p++] = composite(key[c * V + e], (c * 32 + lane) * V + e);
-        }
-      }
+      for (int e = 0; e < V; ++e)
+        if (key[c * V + e] >= lo) stage[p++] = composite(key[c * V + e], (c * 32 + lane) * V + e);
       before += (tot >> (8 * (c - g))) & 0xFFu;
     }
   }
