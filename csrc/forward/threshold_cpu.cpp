@@ -193,14 +193,14 @@ struct BracketLanes {
   return {above, below, mid, exp_nonpos((below ? s - aL : (above ? aR - s : s - aR)) * ex.scale * ex.inv_ts)};
 }
 
-// bracket_sums' running lane sums and gathered middle. add() is branch-free: every lane's score
-// is written at `held`, which advances past the middle's while fewer than `room` are held.
+// bracket_sums' running lane sums and gathered middle. bracket_add is branch-free: every lane's
+// score is written at `held`, which advances past the middle's while fewer than `room` are held.
 // (A function, not a lambda: a lambda in a target_clones function is built for the baseline
 // ISA and called across the ABI.)
 struct BracketAcc {
   F64x4 h{}, SR{}, SL{}, midR{}, count{};
   double* kept;
-  int64_t held, room;
+  int64_t room, held = 0;
 };
 [[gnu::always_inline]] inline void bracket_add(BracketAcc& a, F64x4 s, const BracketLanes& v) {
   a.h += v.above ? 1.0 : 0.0;
@@ -218,9 +218,8 @@ template <typename scalar_t>
 FLS_CPU_CLONES void bracket_sums(const scalar_t* x, int64_t i0, int64_t i1, double sign, double aL, double aR,
                                  GapExp ex, int64_t cap, BracketSums& out) {
   const int64_t room = std::min(cap, i1 - i0);
-  BracketAcc a{};
+  BracketAcc a;
   a.kept = middle_scratch(room + 1);
-  a.held = 0;
   a.room = room;
   int64_t i = i0;
   // Two vectors a step, their exponentials' dependent chains side by side; the sums still add
